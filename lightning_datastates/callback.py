@@ -1,0 +1,183 @@
+"""``DataStatesCallback``: the barriers and error surfacing of :class:`~lightning_datastates.DataStatesIO`.
+
+A snapshot's tensors are copied while training goes on, so training must wait wherever the saved state could
+change next. This callback waits (a *barrier*) in ``on_before_optimizer_step`` and at the rarer points where
+Lightning or other callbacks mutate state (epoch start, validation start, train end; see ../shared/DESIGN.md
+5.2), and nowhere else. It raises background write failures on the training thread at the next hook, and
+drains every pending write at the end of fit and on exceptions.
+
+It is added to every Trainer through the ``lightning.pytorch.callbacks_factory`` entry point, does nothing
+when the Trainer does not use ``DataStatesIO``, keeps no state in checkpoints, and tolerates being passed
+explicitly as well (the first instance to set up drives the plugin, the others stay idle). No storage here.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
+
+from lightning_datastates.plugin import DataStatesIO
+from lightning_datastates.snapshot.engine import LazyPredicate
+
+log = logging.getLogger("lightning_datastates")
+
+
+class DataStatesCallback(Callback):
+    """Barriers, failure reporting and draining for :class:`~lightning_datastates.DataStatesIO`.
+
+    Users need not pass it: it is registered through an entry point. Passing it explicitly is harmless.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._plugin: DataStatesIO | None = None
+        self._trainer: Trainer | None = None
+        self._armed = False  # inside the training loop, where the barriers below are guaranteed to run
+        self._patched: list[ModelCheckpoint] = []
+
+    # ------------------------------------------------------------------ wiring
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Find the plugin; take charge of it unless another instance did; prepare ModelCheckpoint callbacks."""
+        plugin = find_plugin(trainer)
+        if plugin is None or not plugin.attach(self):
+            return
+        self._plugin, self._trainer = plugin, trainer
+        # Run our hooks first, so the barrier precedes other callbacks' mutations (SWA at epoch start, ...).
+        if trainer.callbacks and trainer.callbacks[0] is not self and self in trainer.callbacks:
+            trainer.callbacks.remove(self)
+            trainer.callbacks.insert(0, self)
+        for checkpoint_callback in trainer.checkpoint_callbacks:
+            if isinstance(checkpoint_callback, ModelCheckpoint):
+                self._patch_file_exists(checkpoint_callback, plugin)
+                if trainer.is_global_zero and checkpoint_callback.dirpath:
+                    plugin.clean_stale(str(checkpoint_callback.dirpath))
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Undo :meth:`setup` (the plugin's own teardown drains the writes)."""
+        if self._plugin is None:
+            return
+        for checkpoint_callback in self._patched:
+            checkpoint_callback.__dict__.pop("file_exists", None)
+        self._patched = []
+        self._armed = False
+        self._plugin.detach(self)
+        self._plugin, self._trainer = None, None
+
+    def lazy_predicate(self) -> LazyPredicate | None:
+        """Which storages may be copied after ``save_checkpoint`` returns; None when all must be copied in it.
+
+        Only parameters and optimizer state, and only inside the training loop of automatic optimization:
+        those change in the optimizer step alone, which waits at ``on_before_optimizer_step``. Buffers (BatchNorm
+        statistics change in every forward) and anything else are copied during the save call.
+        """
+        trainer = self._trainer
+        if not self._armed or trainer is None or trainer.lightning_module is None:
+            return None
+        if not trainer.lightning_module.automatic_optimization:
+            return None  # manual optimization may step an optimizer that fires no hook
+        safe: set[int] = {p.untyped_storage()._cdata for p in trainer.lightning_module.parameters()}
+        for optimizer in trainer.optimizers:
+            for state in optimizer.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        safe.add(value.untyped_storage()._cdata)
+        return lambda storage: storage._cdata in safe
+
+    # ------------------------------------------------------------------ barriers
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Arm lazy copies: from here on the barriers below run before any optimizer step."""
+        self._check()
+        self._armed = self._plugin is not None
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        """No wait here (parameters do not change in forward); report a background failure, if any."""
+        self._check()
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        """The main barrier: the optimizer is about to update the state being copied."""
+        self._barrier()
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Barrier: callbacks such as StochasticWeightAveraging change weights here."""
+        self._barrier()
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Barrier: epoch-interval LR schedulers and weight averaging act after this."""
+        self._barrier()
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Barrier: weight averaging callbacks swap weights in for validation."""
+        self._barrier()
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Barrier: weight averaging callbacks swap weights back after validation."""
+        self._barrier()
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Barrier, and disarm: after training nothing guarantees another barrier."""
+        self._barrier()
+        self._armed = False
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Drain: every checkpoint of this fit is on storage (or its failure raised) when fit returns."""
+        if self._plugin is not None:
+            self._plugin.drain()
+        self._check()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        """Drain, and attach background failures to the exception instead of raising over it."""
+        self._armed = False
+        plugin = self._plugin
+        if plugin is None:
+            return
+        plugin.drain()
+        while True:
+            try:
+                plugin.raise_pending_failure()
+                return
+            except Exception as failure:  # noqa: BLE001 - reported as a note, never swallowed
+                log.error("lightning_datastates: %s", failure)
+                exception.add_note(f"lightning_datastates: {failure}")
+
+    # ------------------------------------------------------------------ helpers
+    def _barrier(self) -> None:
+        if self._plugin is not None:
+            self._plugin.barrier()
+        self._check()
+
+    def _check(self) -> None:
+        if self._plugin is not None:
+            self._plugin.raise_pending_failure()
+
+    def _patch_file_exists(self, checkpoint_callback: ModelCheckpoint, plugin: DataStatesIO) -> None:
+        """Make ModelCheckpoint count pending checkpoints as existing, as they would with a synchronous save.
+
+        ModelCheckpoint picks version suffixes (``-v1``) by asking whether a file exists; a checkpoint still in
+        flight must count, or names would differ from a synchronous run.
+        """
+
+        def file_exists(callback: ModelCheckpoint, filepath: Any, trainer: Trainer) -> bool:
+            local = bool(trainer.is_global_zero and (plugin.is_pending(filepath) or callback._fs.exists(filepath)))
+            return trainer.strategy.reduce_boolean_decision(local, all=False)
+
+        checkpoint_callback.file_exists = types.MethodType(file_exists, checkpoint_callback)  # type: ignore[method-assign]
+        self._patched.append(checkpoint_callback)
+
+
+def find_plugin(trainer: Trainer) -> DataStatesIO | None:
+    """The trainer's ``DataStatesIO``, looking through wrapping CheckpointIOs; None if it has none."""
+    checkpoint_io: Any = getattr(trainer.strategy, "checkpoint_io", None)
+    while isinstance(checkpoint_io, _WrappingCheckpointIO):
+        checkpoint_io = checkpoint_io.checkpoint_io
+    return checkpoint_io if isinstance(checkpoint_io, DataStatesIO) else None
+
+
+def callbacks_factory() -> list[Callback]:
+    """Entry point for ``lightning.pytorch.callbacks_factory``: one idle-unless-needed callback per Trainer."""
+    return [DataStatesCallback()]

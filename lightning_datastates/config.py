@@ -1,0 +1,107 @@
+"""Typed settings of :class:`~lightning_datastates.DataStatesIO`, validated once, with errors that name the fix."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Union
+
+from lightning_datastates.errors import ConfigError
+
+#: A size setting: bytes as an int, or a string such as ``"8GiB"``, ``"512MB"``, ``"4096"``.
+Size = Union[int, str]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: Size, name: str) -> int:
+    """Bytes from an int or a string with a unit (``"8GiB"``, ``"1.5GB"``, ``"4096"``).
+
+    Raises:
+        ConfigError: naming ``name`` and the accepted forms.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{name} must be a size such as 4096 or '8GiB', got {value!r}")
+    if isinstance(value, int):
+        nbytes = value
+    elif isinstance(value, str):
+        match = _SIZE_PATTERN.match(value)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise ConfigError(
+                f"{name}={value!r} is not a size: use bytes (4096) or a number with a unit "
+                "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '8GiB'"
+            )
+        nbytes = int(float(match.group(1)) * _UNITS[unit])
+    else:
+        raise ConfigError(f"{name} must be an int or a string such as '8GiB', got {type(value).__name__}")
+    if nbytes <= 0:
+        raise ConfigError(f"{name} must be positive, got {value!r}")
+    return nbytes
+
+
+@dataclass(frozen=True)
+class DataStatesConfig:
+    """Validated settings; see :class:`~lightning_datastates.DataStatesIO` for what each one means."""
+
+    host_cache_bytes: int | None
+    writer_threads: int
+    chunk_bytes: int
+    eager_copy_bytes: int
+
+    @classmethod
+    def from_user(
+        cls,
+        host_cache: Size | None,
+        writer_threads: int,
+        chunk_size: Size,
+        eager_copy_size: Size,
+    ) -> DataStatesConfig:
+        """Validate user-facing arguments (as given to the constructor or in yaml)."""
+        host_cache_bytes = None if host_cache is None else parse_size(host_cache, "host_cache")
+        if isinstance(writer_threads, bool) or not isinstance(writer_threads, int) or not 1 <= writer_threads <= 256:
+            raise ConfigError(f"writer_threads must be an int from 1 to 256, got {writer_threads!r}")
+        chunk_bytes = parse_size(chunk_size, "chunk_size")
+        if host_cache_bytes is not None and host_cache_bytes < 1024**2:
+            raise ConfigError(f"host_cache={host_cache!r} is below 1MiB; give at least '64MiB', or None for automatic")
+        eager_copy_bytes = parse_size(eager_copy_size, "eager_copy_size")
+        return cls(host_cache_bytes, writer_threads, chunk_bytes, eager_copy_bytes)
+
+    def arena_bytes_for(self, payload_bytes: int) -> int:
+        """Arena size: the user's ``host_cache``, or one checkpoint's payload capped at half the free memory."""
+        if self.host_cache_bytes is not None:
+            return self.host_cache_bytes
+        wanted = max(payload_bytes, 64 * 1024**2)
+        available = _available_memory_bytes()
+        return wanted if available is None else max(min(wanted, available // 2), 16 * 1024**2)
+
+
+def _available_memory_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None

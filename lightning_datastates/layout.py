@@ -1,0 +1,242 @@
+"""Plan the byte layout of a ``torch.save``-compatible checkpoint file without touching tensor data.
+
+``plan_layout(checkpoint)`` runs ``torch.save`` under :func:`torch.serialization.skip_data` into a small
+in-memory sink. torch then writes every byte of the zip archive except the storage payloads, and seeks over
+the space each payload takes (a "hole"). The result is a :class:`CheckpointLayout`: the metadata bytes with
+their file offsets (``data.pkl`` is among them, so the non-tensor part of the checkpoint is snapshotted here,
+at once), and one :class:`StorageRecord` per storage with the offset where its bytes belong. Writing the
+metadata and then every storage's bytes at its offset, in any order, yields the same file ``torch.save``
+would have written, loadable by plain ``torch.load``.
+
+``skip_data`` is a prototype API and the hole/record correspondence relies on torch's zip writer, so every
+plan is self-checked against torch's own zip reader (:func:`_check_layout`); when the check fails,
+:class:`LayoutUnsupported` tells the caller to fall back to a plain streamed ``torch.save``.
+
+This module is pure: no threads, no files, no devices beyond reading tensor metadata.
+"""
+
+from __future__ import annotations
+
+import bisect
+import io
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_datastates.errors import CheckpointCaptureError
+
+#: Pickle protocol ``torch.save`` uses by default; the storage-listing pass must traverse identically.
+_TORCH_PICKLE_PROTOCOL = torch.serialization.DEFAULT_PROTOCOL
+
+
+class LayoutUnsupported(Exception):
+    """The out-of-order layout cannot be trusted for this checkpoint; write it with a plain ``torch.save``."""
+
+
+@dataclass(frozen=True)
+class StorageRecord:
+    """Where one storage's bytes go in the file.
+
+    ``key`` is torch's record name suffix (``data/<key>``); ``offset`` and ``nbytes`` locate the payload.
+    """
+
+    key: int
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """The complete byte layout of a checkpoint file.
+
+    ``metadata`` holds every non-payload byte as ``(file_offset, bytes)`` segments; ``records`` holds one entry
+    per storage in key order (zero-size storages included, with ``nbytes == 0``); ``total_bytes`` is the file
+    size.
+    """
+
+    metadata: tuple[tuple[int, bytes], ...]
+    records: tuple[StorageRecord, ...]
+    total_bytes: int
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of tensor data in the file."""
+        return sum(r.nbytes for r in self.records)
+
+
+def list_storages(checkpoint: Any) -> list[torch.UntypedStorage]:
+    """Return the distinct storages of ``checkpoint`` in the order ``torch.save`` numbers them.
+
+    Runs a pickling pass identical to ``torch.save``'s (same pickler, same protocol, storages intercepted as
+    persistent ids), so the i-th storage returned is the one torch writes as ``data/i``. Any object that cannot
+    be pickled fails here, before anything is written.
+
+    Raises:
+        CheckpointCaptureError: the checkpoint holds an object that cannot be pickled.
+    """
+    storages: list[torch.UntypedStorage] = []
+    seen: dict[int, int] = {}
+
+    class _StorageLister(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> Any:
+            if isinstance(obj, torch.storage.TypedStorage):
+                storage = obj._untyped_storage
+            elif torch.is_storage(obj):
+                storage = obj
+            else:
+                return None
+            key = seen.get(storage._cdata)
+            if key is None:
+                key = seen[storage._cdata] = len(storages)
+                storages.append(storage)
+            return key
+
+    try:
+        # skip_data makes Tensor.__reduce_ex__ take the same branch it takes in plan_layout's torch.save.
+        with torch.serialization.skip_data():
+            _StorageLister(_NullSink(), protocol=_TORCH_PICKLE_PROTOCOL).dump(checkpoint)
+    except Exception as exc:  # pickling raises many types: PicklingError, TypeError, AttributeError...
+        raise CheckpointCaptureError(
+            f"the checkpoint cannot be pickled: {exc!r}. Every value in the checkpoint dict (hyperparameters, "
+            "callback state, datamodule state) must be picklable; remove or replace the offending object "
+            "(lambdas, open files, locks, generators are common culprits)."
+        ) from exc
+    return storages
+
+
+def plan_layout(checkpoint: Any, storages: list[torch.UntypedStorage]) -> CheckpointLayout:
+    """Plan the file layout of ``torch.save(checkpoint)`` with ``storages`` from :func:`list_storages`.
+
+    Raises:
+        LayoutUnsupported: torch refused ``skip_data`` for this checkpoint, or the plan failed its self-check.
+    """
+    sink = _LayoutSink()
+    try:
+        with torch.serialization.skip_data():
+            torch.save(checkpoint, sink)
+    except Exception as exc:  # e.g. quantized tensors or storage-less backends are refused under skip_data
+        raise LayoutUnsupported(f"torch.save under skip_data failed: {exc!r}") from exc
+    layout = CheckpointLayout(
+        metadata=tuple(sink.segments),
+        records=_match_records(sink.holes, storages),
+        total_bytes=sink.size,
+    )
+    _check_layout(layout)
+    return layout
+
+
+def _match_records(holes: list[tuple[int, int]], storages: list[torch.UntypedStorage]) -> tuple[StorageRecord, ...]:
+    """Pair torch's holes (one per non-empty storage, in key order) with the listed storages."""
+    nonempty = [k for k, s in enumerate(storages) if s.nbytes() > 0]
+    if len(nonempty) != len(holes):
+        raise LayoutUnsupported(f"{len(holes)} holes for {len(nonempty)} non-empty storages")
+    offsets: dict[int, int] = {}
+    for key, (offset, length) in zip(nonempty, holes):
+        if length != storages[key].nbytes():
+            raise LayoutUnsupported(f"hole of {length} bytes for storage {key} of {storages[key].nbytes()} bytes")
+        offsets[key] = offset
+    return tuple(StorageRecord(k, offsets.get(k, 0), s.nbytes()) for k, s in enumerate(storages))
+
+
+def _check_layout(layout: CheckpointLayout) -> None:
+    """Ask torch's own zip reader where each record's data starts and compare with the plan."""
+    try:
+        reader = torch._C.PyTorchFileReader(_SparseReader(layout.metadata, layout.total_bytes))
+        names = set(reader.get_all_records())
+        for record in layout.records:
+            name = f"data/{record.key}"
+            if name not in names:
+                raise LayoutUnsupported(f"record {name} missing from the planned archive")
+            if record.nbytes and reader.get_record_offset(name) != record.offset:
+                raise LayoutUnsupported(
+                    f"record {name}: torch reads it at {reader.get_record_offset(name)}, planned at {record.offset}"
+                )
+    except LayoutUnsupported:
+        raise
+    except Exception as exc:
+        raise LayoutUnsupported(f"the planned archive does not parse: {exc!r}") from exc
+
+
+class _NullSink:
+    """A write-only file that discards everything (the storage-listing pass needs no output)."""
+
+    def write(self, data: Any) -> int:
+        return len(memoryview(data))
+
+
+class _LayoutSink:
+    """A seekable write-only file that records written bytes and the holes torch seeks over."""
+
+    def __init__(self) -> None:
+        self.segments: list[tuple[int, bytes]] = []
+        self.holes: list[tuple[int, int]] = []
+        self.position = 0
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        chunk = bytes(memoryview(data))
+        if self.segments and self.segments[-1][0] + len(self.segments[-1][1]) == self.position:
+            offset, previous = self.segments[-1]  # coalesce contiguous writes: fewer, larger write calls later
+            self.segments[-1] = (offset, previous + chunk)
+        else:
+            self.segments.append((self.position, chunk))
+        self.position += len(chunk)
+        self.size = max(self.size, self.position)
+        return len(chunk)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        target = {io.SEEK_SET: offset, io.SEEK_CUR: self.position + offset, io.SEEK_END: self.size + offset}[whence]
+        if target > self.position and target > self.size:
+            self.holes.append((self.position, target - self.position))  # torch skipped a storage's payload
+        self.position = target
+        self.size = max(self.size, self.position)
+        return self.position
+
+    def tell(self) -> int:
+        return self.position
+
+    def flush(self) -> None:
+        pass
+
+
+class _SparseReader(io.RawIOBase):
+    """A read-only view of a planned file: metadata segments where planned, zeros in the holes."""
+
+    def __init__(self, segments: tuple[tuple[int, bytes], ...], size: int) -> None:
+        super().__init__()
+        self._segments = segments
+        self._starts = [offset for offset, _ in segments]
+        self._size = size
+        self._position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._size}[whence]
+        self._position = base + offset
+        return self._position
+
+    def tell(self) -> int:
+        return self._position
+
+    def readinto(self, buffer: Any) -> int:
+        count = max(0, min(len(buffer), self._size - self._position))
+        view = memoryview(buffer).cast("B")[:count]
+        view[:] = bytes(count)
+        start, end = self._position, self._position + count
+        # Segments are sorted and disjoint: start from the last one beginning at or before `start`.
+        index = max(0, bisect.bisect_right(self._starts, start) - 1)
+        for offset, data in self._segments[index:]:
+            if offset >= end:
+                break
+            lo, hi = max(offset, start), min(offset + len(data), end)
+            if lo < hi:
+                view[lo - start : hi - start] = data[lo - offset : hi - offset]
+        self._position = end
+        return count

@@ -1,0 +1,193 @@
+"""``DataStatesIO``: Lightning's ``CheckpointIO`` with lazy, asynchronous snapshots.
+
+The plugin knows Lightning's checkpoint interface, not streams or bytes: it hands each checkpoint to the
+:class:`~lightning_datastates.snapshot.engine.SnapshotEngine`, orders loads and removals after pending
+writes, and turns background failures into :class:`~lightning_datastates.errors.CheckpointFlushError`.
+Its companion :class:`~lightning_datastates.callback.DataStatesCallback` supplies the barriers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from lightning.fabric.utilities.cloud_io import _load as pl_load
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
+
+from lightning_datastates.config import DataStatesConfig, Size
+from lightning_datastates.errors import CheckpointFlushError
+from lightning_datastates.snapshot.engine import LazyPredicate, SnapshotEngine
+from lightning_datastates.snapshot.job import SnapshotStats
+from lightning_datastates.storage import writer_for
+
+if TYPE_CHECKING:
+    from lightning_datastates.callback import DataStatesCallback
+
+log = logging.getLogger("lightning_datastates")
+
+
+class DataStatesIO(CheckpointIO):
+    """Checkpoint without stalling training: ``Trainer(plugins=[DataStatesIO()])``.
+
+    ``save_checkpoint`` snapshots the non-tensor part of the checkpoint and the tensors that may change before
+    the next optimizer step, then returns; parameters and optimizer state are copied into a host arena while the
+    next forward and backward run, and written to storage in the background. Files are plain Lightning
+    checkpoints, published atomically under their final name once complete.
+
+    Args:
+        host_cache: host memory for snapshots (bytes, or a string such as ``"8GiB"``). ``None`` (default) sizes it
+            to the first checkpoint, at most half the available memory. Checkpoints larger than the arena stream
+            through it; when it is full, the next copy waits for a flush to free space.
+        writer_threads: threads writing to storage in parallel (default 4).
+        chunk_size: most bytes copied and written as one piece (default ``"64MiB"``; at most a quarter of the
+            arena is used).
+        eager_copy_size: tensors of at most this size are copied inside ``save_checkpoint`` (default ``"64KiB"``):
+            cheaper than scheduling them, and safe for small state that changes anywhere.
+    """
+
+    def __init__(
+        self,
+        host_cache: Size | None = None,
+        writer_threads: int = 4,
+        chunk_size: Size = "64MiB",
+        eager_copy_size: Size = "64KiB",
+    ) -> None:
+        super().__init__()
+        self.config = DataStatesConfig.from_user(host_cache, writer_threads, chunk_size, eager_copy_size)
+        self._engine: SnapshotEngine | None = None
+        self._owner: DataStatesCallback | None = None
+        self._cleaned_directories: set[str] = set()
+
+    # ------------------------------------------------------------------ CheckpointIO
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+        """Snapshot ``checkpoint`` and return; it reaches ``path`` in the background.
+
+        Raises:
+            CheckpointFlushError: an earlier background write failed (raised once), or ``path`` cannot be written.
+            CheckpointCaptureError: the checkpoint cannot be pickled; nothing is written.
+        """
+        if storage_options is not None:
+            raise TypeError(
+                "DataStatesIO.save_checkpoint got storage_options, which it does not use; "
+                "drop `storage_options` from `Trainer.save_checkpoint(...)`"
+            )
+        started = time.perf_counter()
+        self.raise_pending_failure()
+        path = _path_str(path)
+        writer = writer_for(path)
+        directory = os.path.dirname(path) or "."
+        if directory not in self._cleaned_directories:
+            self.clean_stale(directory)
+        try:
+            stats = self.engine.capture(checkpoint, path, writer, self._lazy_predicate())
+        except OSError as exc:
+            raise CheckpointFlushError(f"cannot write checkpoint {path}: {exc}", path) from exc
+        stats.save_call_s = time.perf_counter() - started
+
+    def load_checkpoint(
+        self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Load ``path`` once any pending write of it has landed; ``map_location`` and ``weights_only`` as torch.
+
+        Raises:
+            CheckpointFlushError: the pending write of ``path`` failed.
+            FileNotFoundError: no checkpoint at ``path``.
+        """
+        path = _path_str(path)
+        if self._engine is not None:
+            self._engine.wait_path(path)
+            self.raise_pending_failure(path)
+        if not writer_for(path).exists(path):
+            raise FileNotFoundError(f"Checkpoint file not found: {path}")
+        return pl_load(path, map_location=map_location, weights_only=weights_only)
+
+    def remove_checkpoint(self, path: _PATH) -> None:
+        """Drop a pending write of ``path`` (or let a commit in progress end), then delete the file."""
+        path = _path_str(path)
+        if self._engine is not None:
+            self._engine.cancel_path(path)
+        writer_for(path).remove(path)
+
+    def teardown(self) -> None:
+        """Finish every pending write and stop the threads (they restart if the plugin is used again).
+
+        Failures found here are not raised (Lightning's own teardown must go on); they are logged and raised by
+        the next call of this plugin or its callback.
+        """
+        if self._engine is None:
+            return
+        self._engine.close()
+        for failed in self._engine.unreported_failures():
+            log.error("lightning_datastates: writing checkpoint %s failed: %r", failed.path, failed.error)
+
+    # ------------------------------------------------------------------ used by the callback and the demo
+    @property
+    def engine(self) -> SnapshotEngine:
+        """The snapshot engine, created on first use (it is not pickled into spawned workers)."""
+        if self._engine is None:
+            self._engine = SnapshotEngine(self.config)
+        return self._engine
+
+    @property
+    def stats(self) -> list[SnapshotStats]:
+        """What recent checkpoints cost (most recent last)."""
+        return [] if self._engine is None else list(self._engine.history)
+
+    def barrier(self) -> float:
+        """Wait until no pending snapshot reads training state; return the seconds waited."""
+        return 0.0 if self._engine is None else self._engine.wait_copies()
+
+    def drain(self) -> None:
+        """Wait until every pending checkpoint is committed or failed."""
+        if self._engine is not None:
+            self._engine.drain()
+
+    def is_pending(self, path: _PATH) -> bool:
+        """Whether ``path`` has a checkpoint that is saved but not yet on storage."""
+        return self._engine is not None and self._engine.is_pending(_path_str(path))
+
+    def raise_pending_failure(self, path: str | None = None) -> None:
+        """Raise the oldest unreported background failure (of ``path`` if given) as ``CheckpointFlushError``."""
+        if self._engine is None:
+            return
+        job = self._engine.pop_failure(path)
+        if job is not None:
+            raise CheckpointFlushError(f"writing checkpoint {job.path} failed: {job.error!r}", job.path) from job.error
+
+    def clean_stale(self, directory: str) -> list[str]:
+        """Remove temporary files that crashed runs left in ``directory`` (done once per directory)."""
+        self._cleaned_directories.add(directory)
+        removed = writer_for(directory).clean_stale(directory)
+        if removed:
+            log.info("lightning_datastates: removed %d stale temporary file(s) in %s", len(removed), directory)
+        return removed
+
+    def attach(self, owner: DataStatesCallback) -> bool:
+        """Let ``owner`` drive this plugin's barriers; False if another callback already does."""
+        if self._owner is not None and self._owner is not owner:
+            return False
+        self._owner = owner
+        return True
+
+    def detach(self, owner: DataStatesCallback) -> None:
+        """Undo :meth:`attach`."""
+        if self._owner is owner:
+            self._owner = None
+
+    def _lazy_predicate(self) -> LazyPredicate | None:
+        # Without a callback guaranteeing barriers, every tensor is copied before save_checkpoint returns.
+        return None if self._owner is None else self._owner.lazy_predicate()
+
+    # ------------------------------------------------------------------ pickling (ddp_spawn, LightningCLI)
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update(_engine=None, _owner=None, _cleaned_directories=set())
+        return state
+
+
+def _path_str(path: _PATH) -> str:
+    return os.fspath(path) if not isinstance(path, str) else path
+

@@ -1,0 +1,143 @@
+"""The host arena: one host buffer, allocated once, handed out in aligned blocks with back-pressure.
+
+Snapshots are copied from the training state into blocks of the arena and written to storage from there;
+a block returns to the arena when its bytes are on storage. When the arena is full, :meth:`HostArena.allocate`
+waits for blocks to come back (back-pressure) instead of allocating more memory, so host memory for
+snapshots never exceeds the arena's size.
+
+Thread model: any thread may call :meth:`allocate` and :meth:`free`; in this package the copier thread
+allocates and the writer threads free.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import threading
+from dataclasses import dataclass
+
+import torch
+
+#: Blocks start and end on this boundary: page-aligned, so direct I/O can write straight from the arena.
+BLOCK_ALIGNMENT_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class Block:
+    """A byte range ``[offset, offset + nbytes)`` of the arena; ``nbytes`` is what the caller asked for."""
+
+    offset: int
+    nbytes: int
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes the block occupies in the arena (``nbytes`` rounded up to the alignment)."""
+        return _align_up(max(self.nbytes, 1))
+
+
+class ArenaClosed(Exception):
+    """The arena was closed while a caller waited for space."""
+
+
+class HostArena:
+    """A fixed-size host buffer with a first-fit, coalescing free list.
+
+    Args:
+        size_bytes: capacity; rounded up to :data:`BLOCK_ALIGNMENT_BYTES`.
+        pin_memory: page-lock the buffer (wanted when copies come from a CUDA device: DMA straight into it).
+    """
+
+    def __init__(self, size_bytes: int, pin_memory: bool = False) -> None:
+        self.size_bytes = _align_up(size_bytes)
+        self.pinned = pin_memory
+        self.buffer = torch.empty(self.size_bytes, dtype=torch.uint8, pin_memory=pin_memory)
+        self._free: list[tuple[int, int]] = [(0, self.size_bytes)]  # sorted, disjoint (offset, size) ranges
+        self._used_bytes = 0
+        self._peak_used_bytes = 0
+        self._closed = False
+        self._cond = threading.Condition()
+
+    # ------------------------------------------------------------------ allocation
+    def allocate(self, nbytes: int, timeout_s: float | None = None) -> Block:
+        """Reserve ``nbytes`` (at most the arena's size), waiting until that much contiguous space is free.
+
+        Raises:
+            ValueError: ``nbytes`` is larger than the arena.
+            ArenaClosed: the arena was closed while waiting.
+            TimeoutError: ``timeout_s`` passed without space.
+        """
+        block = Block(0, nbytes)
+        if block.reserved_bytes > self.size_bytes:
+            raise ValueError(f"a block of {nbytes} bytes does not fit in an arena of {self.size_bytes} bytes")
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise ArenaClosed("the host arena was closed")
+                offset = self._take(block.reserved_bytes)
+                if offset is not None:
+                    self._used_bytes += block.reserved_bytes
+                    self._peak_used_bytes = max(self._peak_used_bytes, self._used_bytes)
+                    return Block(offset, nbytes)
+                if not self._cond.wait(timeout_s):
+                    raise TimeoutError(f"no {nbytes} bytes free in the host arena after {timeout_s} s")
+
+    def free(self, block: Block) -> None:
+        """Return ``block`` to the arena and wake waiting allocators."""
+        size = block.reserved_bytes
+        with self._cond:
+            index = bisect.bisect_left(self._free, (block.offset, 0))
+            start, end = block.offset, block.offset + size
+            # Coalesce with the neighbours so large requests can be served again.
+            if index < len(self._free) and self._free[index][0] == end:
+                end += self._free.pop(index)[1]
+            if index > 0 and sum(self._free[index - 1]) == start:
+                start = self._free.pop(index - 1)[0]
+                index -= 1
+            self._free.insert(index, (start, end - start))
+            self._used_bytes -= size
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Wake and fail every waiter; later allocations fail too."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _take(self, size: int) -> int | None:
+        for index, (offset, free_size) in enumerate(self._free):
+            if free_size >= size:
+                if free_size == size:
+                    self._free.pop(index)
+                else:
+                    self._free[index] = (offset + size, free_size - size)
+                return offset
+        return None
+
+    # ------------------------------------------------------------------ views
+    def tensor(self, block: Block) -> torch.Tensor:
+        """A ``uint8`` tensor over the block's bytes (a view: no copy)."""
+        return self.buffer[block.offset : block.offset + block.nbytes]
+
+    def memoryview(self, block: Block) -> memoryview:
+        """A writable memoryview over the block's bytes, for ``os.pwrite`` and friends (no copy)."""
+        if block.nbytes == 0:
+            return memoryview(b"")
+        address = self.buffer.data_ptr() + block.offset
+        return memoryview((ctypes.c_char * block.nbytes).from_address(address)).cast("B")
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def used_bytes(self) -> int:
+        """Bytes currently reserved."""
+        with self._cond:
+            return self._used_bytes
+
+    @property
+    def peak_used_bytes(self) -> int:
+        """Most bytes ever reserved at once."""
+        with self._cond:
+            return self._peak_used_bytes
+
+
+def _align_up(nbytes: int) -> int:
+    return -(-nbytes // BLOCK_ALIGNMENT_BYTES) * BLOCK_ALIGNMENT_BYTES

@@ -1,0 +1,70 @@
+"""Cut a checkpoint's storages into copy chunks: a pure plan, testable without threads or devices.
+
+A chunk is what the copier moves into one arena block in one go and a writer flushes from it. Storages larger
+than ``chunk_bytes`` are split across chunks (so a checkpoint larger than the arena streams through it);
+small storages are packed together into one chunk (so ten thousand tiny tensors cost tens of copies, not ten
+thousand).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from lightning_datastates.layout import StorageRecord
+
+#: Pieces packed into one block start on this boundary (cheap memcpy, and matches torch's record alignment).
+PIECE_ALIGNMENT_BYTES = 64
+
+
+@dataclass(frozen=True)
+class Piece:
+    """``nbytes`` bytes of storage ``key`` from ``source_offset``: at ``block_offset`` in the chunk's block and at
+    ``file_offset`` in the file."""
+
+    key: int
+    source_offset: int
+    nbytes: int
+    block_offset: int
+    file_offset: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Pieces sharing one arena block of ``block_bytes`` bytes."""
+
+    pieces: tuple[Piece, ...]
+    block_bytes: int
+
+
+def plan_chunks(records: Iterable[StorageRecord], chunk_bytes: int) -> list[Chunk]:
+    """Cut ``records`` (in the given order) into chunks of at most ``chunk_bytes`` bytes each."""
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    chunks: list[Chunk] = []
+    pieces: list[Piece] = []
+    filled = 0
+
+    def close_chunk() -> None:
+        nonlocal pieces, filled
+        if pieces:
+            chunks.append(Chunk(tuple(pieces), filled))
+        pieces, filled = [], 0
+
+    for record in records:
+        done = 0
+        while done < record.nbytes:
+            start = _align_up(filled)
+            if start >= chunk_bytes:
+                close_chunk()
+                start = 0
+            take = min(record.nbytes - done, chunk_bytes - start)
+            pieces.append(Piece(record.key, done, take, start, record.offset + done))
+            filled = start + take
+            done += take
+    close_chunk()
+    return chunks
+
+
+def _align_up(nbytes: int) -> int:
+    return -(-nbytes // PIECE_ALIGNMENT_BYTES) * PIECE_ALIGNMENT_BYTES

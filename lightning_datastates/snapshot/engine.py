@@ -1,0 +1,343 @@
+"""The snapshot engine: capture on the training thread, copy on a copier thread, flush on writer threads.
+
+``capture`` (training thread) plans the file layout (the non-tensor skeleton is pickled there and then), opens
+a write session, copies the storages that may change before the next barrier (or are tiny) and returns; the
+copier thread moves every other storage into the host arena, chunk by chunk, while training goes on; writer
+threads write each chunk at its offset, free its block, and commit the file when the last byte is written.
+
+Threads are ordinary (non-daemon) threads: at interpreter exit they finish every pending checkpoint and then
+end by themselves, so a script that returns right after ``fit`` still leaves complete files.
+
+No Lightning and no file formats here: the layout comes from :mod:`~lightning_datastates.layout`, the bytes go
+to a :class:`~lightning_datastates.storage.base.StorageWriter`.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from typing import Any, Callable
+
+import torch
+
+from lightning_datastates.config import DataStatesConfig
+from lightning_datastates.layout import CheckpointLayout, LayoutUnsupported, list_storages, plan_layout
+from lightning_datastates.snapshot.arena import HostArena
+from lightning_datastates.snapshot.chunks import Chunk, plan_chunks
+from lightning_datastates.snapshot.copier import CopierSet
+from lightning_datastates.snapshot.job import JobState, SnapshotJob, SnapshotStats
+from lightning_datastates.storage.base import StorageWriter
+
+log = logging.getLogger("lightning_datastates")
+
+#: How often idle threads look whether they should end (engine closed, or interpreter exiting).
+_POLL_S = 0.1
+#: Stats of this many recent checkpoints are kept.
+_HISTORY_LENGTH = 1000
+
+LazyPredicate = Callable[[torch.UntypedStorage], bool]
+
+
+class SnapshotEngine:
+    """Owns the host arena, the copier and writer threads, and every pending checkpoint.
+
+    Thread model: ``capture``, ``wait_copies``, ``wait_path``, ``cancel_path``, ``drain``, ``pop_failure`` and
+    ``close`` are called from the training thread; everything else runs on the engine's own threads.
+    """
+
+    def __init__(self, config: DataStatesConfig) -> None:
+        self.config = config
+        self.arena: HostArena | None = None
+        self.history: deque[SnapshotStats] = deque(maxlen=_HISTORY_LENGTH)
+        self._copiers = CopierSet()
+        self._lock = threading.Lock()
+        self._active: list[SnapshotJob] = []  # not yet finished, in capture order
+        self._latest_by_path: dict[str, SnapshotJob] = {}
+        self._failures: deque[SnapshotJob] = deque()  # failed, not yet reported
+        self._copy_queue: queue.Queue[SnapshotJob] = queue.Queue()
+        self._write_queue: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self._threads: list[threading.Thread] = []
+        self._closing = False
+        self._warned_fallback = False
+
+    # ------------------------------------------------------------------ training thread
+    def capture(
+        self, checkpoint: dict[str, Any], path: str, writer: StorageWriter, lazy: LazyPredicate | None
+    ) -> SnapshotStats:
+        """Snapshot ``checkpoint`` for ``path`` and return once training may go on.
+
+        Storages for which ``lazy`` answers True are copied in the background (the caller guarantees a barrier,
+        :meth:`wait_copies`, before they can change); all others are in host memory when this returns. With
+        ``lazy=None`` everything is.
+
+        Raises:
+            CheckpointCaptureError: the checkpoint cannot be pickled (nothing was written).
+            OSError: the write could not be started (bad path, permissions).
+        """
+        started_at = time.perf_counter()
+        storages = list_storages(checkpoint)
+        layout = self._plan(checkpoint, storages)
+        self.wait_copies()  # one snapshot copies at a time: the arena is not split between them
+        session = writer.begin(path, layout.total_bytes)
+        arena = self._ensure_arena(layout.payload_bytes)
+        chunk_bytes = max(4096, min(self.config.chunk_bytes, arena.size_bytes // 4))
+        eager_keys = {
+            r.key
+            for r in layout.records
+            if lazy is None or r.nbytes <= self.config.eager_copy_bytes or not lazy(storages[r.key])
+        }
+        devices = {s.device for s in storages if s.nbytes() > 0}
+        job = SnapshotJob(
+            path=path,
+            layout=layout,
+            session=session,
+            sources=storages,
+            eager_chunks=plan_chunks((r for r in layout.records if r.key in eager_keys), chunk_bytes),
+            lazy_chunks=plan_chunks((r for r in layout.records if r.key not in eager_keys), chunk_bytes),
+            marks=self._copiers.marks(devices),
+            stats=SnapshotStats(path, layout.total_bytes, layout.payload_bytes, started_at),
+            outstanding=2,  # the copy, and the metadata write
+            on_ready=self._schedule_commit,
+        )
+        with self._lock:
+            predecessor = self._latest_by_path.get(path)
+            if predecessor is not None and not predecessor.finished.is_set():
+                # A newer save of the same path supersedes the pending one; it commits only after that one ended.
+                predecessor.cancel_requested = True
+                predecessor.successor = job
+                job.outstanding += 1
+            self._latest_by_path[path] = job
+            self._active.append(job)
+            self.history.append(job.stats)
+        self._ensure_threads()
+        self._write_queue.put(("metadata", job))
+        self._copy_queue.put(job)
+        (job.eager_copied if lazy is not None else job.copied).wait()
+        return job.stats
+
+    def wait_copies(self) -> float:
+        """Barrier: return once no pending snapshot still reads training state; the seconds waited."""
+        with self._lock:
+            waiting = [job for job in self._active if not job.copied.is_set()]
+        if not waiting:
+            return 0.0
+        started = time.perf_counter()
+        for job in waiting:
+            job.copied.wait()
+        waited = time.perf_counter() - started
+        waiting[-1].stats.barrier_wait_s += waited  # the newest snapshot is the one training waited for
+        return waited
+
+    def is_pending(self, path: str) -> bool:
+        """Whether a checkpoint for ``path`` is captured but not yet committed (or dropped)."""
+        with self._lock:
+            job = self._latest_by_path.get(path)
+        return job is not None and not job.finished.is_set()
+
+    def wait_path(self, path: str) -> None:
+        """Wait until the pending checkpoint of ``path``, if any, is committed or dropped."""
+        with self._lock:
+            job = self._latest_by_path.get(path)
+        if job is not None:
+            job.finished.wait()
+
+    def cancel_path(self, path: str) -> None:
+        """Drop the pending checkpoint of ``path`` (or let it finish if it is already committing) and wait."""
+        with self._lock:
+            job = self._latest_by_path.get(path)
+        if job is not None and not job.finished.is_set():
+            job.cancel_requested = True
+            job.finished.wait()
+
+    def drain(self) -> None:
+        """Wait until every pending checkpoint is committed or dropped."""
+        while True:
+            with self._lock:
+                active = list(self._active)
+            if not active:
+                return
+            for job in active:
+                job.finished.wait()
+
+    def pop_failure(self, path: str | None = None) -> SnapshotJob | None:
+        """The oldest failed, not yet reported checkpoint (of ``path`` if given); it counts as reported now."""
+        with self._lock:
+            for job in self._failures:
+                if path is None or job.path == path:
+                    self._failures.remove(job)
+                    return job
+        return None
+
+    def unreported_failures(self) -> list[SnapshotJob]:
+        """Failed checkpoints not yet reported, oldest first (they stay unreported)."""
+        with self._lock:
+            return list(self._failures)
+
+    def close(self) -> None:
+        """Drain, then stop the threads. The engine starts them again if it is used later."""
+        self.drain()
+        with self._lock:
+            self._closing = True
+            threads, self._threads = self._threads, []
+        for thread in threads:
+            thread.join()
+        with self._lock:
+            self._closing = False
+
+    # ------------------------------------------------------------------ capture helpers
+    def _plan(self, checkpoint: dict[str, Any], storages: list[torch.UntypedStorage]) -> CheckpointLayout:
+        try:
+            return plan_layout(checkpoint, storages)
+        except LayoutUnsupported as reason:
+            if not self._warned_fallback:
+                log.warning(
+                    "lightning_datastates: cannot plan an out-of-order layout (%s); this checkpoint is serialized "
+                    "with a plain torch.save into host memory during the save call instead (slower, still correct).",
+                    reason,
+                )
+                self._warned_fallback = True
+            buffer = io.BytesIO()
+            torch.save(checkpoint, buffer)
+            data = buffer.getvalue()
+            return CheckpointLayout(metadata=((0, data),), records=(), total_bytes=len(data))
+
+    def _ensure_arena(self, payload_bytes: int) -> HostArena:
+        if self.arena is None:
+            size = self.config.arena_bytes_for(payload_bytes)
+            # Pinned memory lets the CUDA copy engine write straight into the arena, asynchronously.
+            self.arena = HostArena(size, pin_memory=torch.cuda.is_available())
+            log.info("lightning_datastates: host arena of %.1f MiB allocated", self.arena.size_bytes / 2**20)
+        return self.arena
+
+    def _ensure_threads(self) -> None:
+        with self._lock:
+            self._threads = [t for t in self._threads if t.is_alive()]
+            names = {t.name for t in self._threads}
+            wanted = {"datastates-copier": self._copy_loop}
+            wanted.update({f"datastates-writer-{i}": self._write_loop for i in range(self.config.writer_threads)})
+            for name, target in wanted.items():
+                if name not in names:
+                    thread = threading.Thread(target=target, name=name, daemon=False)
+                    thread.start()
+                    self._threads.append(thread)
+
+    def _should_exit(self, own_queue: queue.Queue[Any]) -> bool:
+        with self._lock:
+            idle = not self._active and own_queue.empty()
+            return idle and (self._closing or not threading.main_thread().is_alive())
+
+    # ------------------------------------------------------------------ copier thread
+    def _copy_loop(self) -> None:
+        while True:
+            try:
+                job = self._copy_queue.get(timeout=_POLL_S)
+            except queue.Empty:
+                if self._should_exit(self._copy_queue):
+                    return
+                continue
+            self._copy_job(job)
+
+    def _copy_job(self, job: SnapshotJob) -> None:
+        try:
+            for chunk in job.eager_chunks:
+                self._copy_chunk(job, chunk)
+            job.eager_copied.set()
+            for chunk in job.lazy_chunks:
+                self._copy_chunk(job, chunk)
+        except BaseException as exc:  # noqa: BLE001 - reported on the training thread, never lost
+            job.fail(exc)
+        finally:
+            job.mark_copied()
+            job.release()  # the copy's share of the outstanding work
+
+    def _copy_chunk(self, job: SnapshotJob, chunk: Chunk) -> None:
+        if job.stopped:
+            return  # failed or superseded: the bytes would never be committed
+        assert self.arena is not None and job.sources is not None
+        block = self.arena.allocate(chunk.block_bytes)  # back-pressure: waits for writers to free space
+        try:
+            destination = self.arena.tensor(block)
+            for piece in chunk.pieces:
+                storage = job.sources[piece.key]
+                source = _byte_view(storage)[piece.source_offset : piece.source_offset + piece.nbytes]
+                target = destination[piece.block_offset : piece.block_offset + piece.nbytes]
+                self._copiers.for_device(storage.device).copy(target, source, job.marks.get(storage.device))
+        except BaseException:
+            self.arena.free(block)
+            raise
+        job.add_outstanding()
+        self._write_queue.put(("chunk", job, chunk, block))
+
+    # ------------------------------------------------------------------ writer threads
+    def _write_loop(self) -> None:
+        while True:
+            try:
+                task = self._write_queue.get(timeout=_POLL_S)
+            except queue.Empty:
+                if self._should_exit(self._write_queue):
+                    return
+                continue
+            kind, job = task[0], task[1]
+            if kind == "commit":
+                self._commit(job)
+                continue
+            try:
+                if not job.stopped:
+                    if kind == "metadata":
+                        for offset, data in job.layout.metadata:
+                            job.session.write_range(offset, memoryview(data))
+                    else:
+                        self._write_chunk(job, task[2], task[3])
+            except BaseException as exc:  # noqa: BLE001 - reported on the training thread, never lost
+                job.fail(exc)
+            finally:
+                if kind == "chunk":
+                    assert self.arena is not None
+                    self.arena.free(task[3])
+                job.release()
+
+    def _write_chunk(self, job: SnapshotJob, chunk: Chunk, block: Any) -> None:
+        assert self.arena is not None
+        view = self.arena.memoryview(block)
+        for piece in chunk.pieces:
+            job.session.write_range(piece.file_offset, view[piece.block_offset : piece.block_offset + piece.nbytes])
+
+    def _schedule_commit(self, job: SnapshotJob) -> None:
+        self._write_queue.put(("commit", job))
+
+    def _commit(self, job: SnapshotJob) -> None:
+        if not job.stopped:
+            try:
+                job.session.complete()
+                job.state = JobState.COMMITTED
+            except BaseException as exc:  # noqa: BLE001
+                job.fail(exc)
+        if job.state is not JobState.COMMITTED:
+            try:
+                job.session.abort()
+            except Exception:  # noqa: BLE001 - the primary failure (or the cancel) is what matters
+                log.exception("lightning_datastates: could not remove the temporary file of %s", job.path)
+            job.state = JobState.FAILED if job.error is not None else JobState.CANCELLED
+        job.stats.state = job.state.value
+        job.stats.durable_s = time.perf_counter() - job.stats.started_at
+        if job.error is not None:
+            log.debug("lightning_datastates: writing %s failed", job.path, exc_info=job.error)
+        with self._lock:
+            if job.error is not None:
+                self._failures.append(job)
+            self._active.remove(job)
+            if self._latest_by_path.get(job.path) is job:
+                del self._latest_by_path[job.path]
+            successor = job.successor
+            job.finished.set()
+        if successor is not None:
+            successor.release()  # the next save of this path may commit now
+
+
+def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A flat ``uint8`` tensor over all of ``storage`` (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)

@@ -1,0 +1,114 @@
+"""One checkpoint on its way from the training state to storage, and what it cost.
+
+States: ``COPYING`` -> (all chunks in the arena) -> ``WRITING`` -> ``COMMITTED``, or ``FAILED`` / ``CANCELLED``
+at any point. Two events let other threads wait: ``copied`` (the sources are no longer read: training may
+mutate them) and ``finished`` (committed, failed or cancelled: nothing of this job is pending any more).
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from lightning_datastates.layout import CheckpointLayout
+from lightning_datastates.snapshot.chunks import Chunk
+from lightning_datastates.storage.base import WriteSession
+
+
+class JobState(enum.Enum):
+    """Where a snapshot job stands."""
+
+    COPYING = "copying"
+    WRITING = "writing"
+    COMMITTED = "committed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+@dataclass
+class SnapshotStats:
+    """What one checkpoint cost; times in seconds, from ``time.perf_counter``.
+
+    ``blocked_s`` is the training thread's total wait for this checkpoint: inside ``save_checkpoint`` plus at
+    barriers. ``copy_s`` runs from the save call until the last byte reached host memory; ``durable_s`` until
+    the commit.
+    """
+
+    path: str
+    total_bytes: int
+    payload_bytes: int
+    started_at: float
+    save_call_s: float = 0.0
+    barrier_wait_s: float = 0.0
+    copy_s: float | None = None
+    durable_s: float | None = None
+    state: str = JobState.COPYING.value
+
+    @property
+    def blocked_s(self) -> float:
+        """Training time lost to this checkpoint."""
+        return self.save_call_s + self.barrier_wait_s
+
+
+@dataclass
+class SnapshotJob:
+    """A checkpoint being copied and flushed; the engine owns every transition."""
+
+    path: str
+    layout: CheckpointLayout
+    session: WriteSession
+    sources: list[torch.UntypedStorage] | None
+    eager_chunks: list[Chunk]
+    lazy_chunks: list[Chunk]
+    marks: dict[torch.device, Any]
+    stats: SnapshotStats
+    state: JobState = JobState.COPYING
+    error: BaseException | None = None
+    cancel_requested: bool = False
+    eager_copied: threading.Event = field(default_factory=threading.Event)
+    copied: threading.Event = field(default_factory=threading.Event)
+    finished: threading.Event = field(default_factory=threading.Event)
+    # Work that must end before the commit: every write task, the copy itself, and the predecessor (a pending
+    # save to the same path, which must finish first so saves to one path land in order).
+    outstanding: int = 1
+    successor: SnapshotJob | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    on_ready: Callable[[SnapshotJob], None] | None = None
+
+    @property
+    def stopped(self) -> bool:
+        """Failed or cancelled: remaining copies and writes are skipped."""
+        return self.error is not None or self.cancel_requested
+
+    def fail(self, exc: BaseException) -> None:
+        """Record the first failure; later ones are consequences and are dropped."""
+        with self.lock:
+            if self.error is None:
+                self.error = exc
+
+    def add_outstanding(self, count: int = 1) -> None:
+        """Register ``count`` more pieces of work that must end before the commit."""
+        with self.lock:
+            self.outstanding += count
+
+    def release(self) -> None:
+        """One piece of work ended; the last one hands the job to ``on_ready`` for its commit."""
+        with self.lock:
+            self.outstanding -= 1
+            ready = self.outstanding == 0
+        if ready and self.on_ready is not None:
+            self.on_ready(self)
+
+    def mark_copied(self) -> None:
+        """The sources will not be read again: drop them and let barriers through."""
+        self.sources = None
+        self.stats.copy_s = time.perf_counter() - self.stats.started_at
+        if self.state is JobState.COPYING:
+            self.state = JobState.WRITING
+        self.eager_copied.set()
+        self.copied.set()

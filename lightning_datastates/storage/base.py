@@ -1,0 +1,53 @@
+"""The storage seam: one writer per backend behind one small interface.
+
+Call order, per checkpoint:
+  1) ``writer.begin(path, total_bytes)`` on the training thread, at capture (so a bad path fails at once);
+  2) ``session.write_range(offset, data)`` any number of times, from several writer threads at once, in any
+     order, never overlapping;
+  3) exactly one of ``session.complete()`` (the commit: afterwards, and only afterwards, the file is visible
+     under ``path``, whole) or ``session.abort()`` (nothing becomes visible; safe to call more than once).
+
+The commit lives in ``complete``: a backend must never publish a partially written checkpoint.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+
+class WriteSession(ABC):
+    """One checkpoint being written; see the module docstring for the call order."""
+
+    path: str
+
+    @abstractmethod
+    def write_range(self, offset: int, data: memoryview) -> None:
+        """Write ``data`` at byte ``offset`` of the file (thread-safe)."""
+
+    @abstractmethod
+    def complete(self) -> None:
+        """Make the file durable and visible under its final name, atomically."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Discard everything written; the final name keeps whatever it held before."""
+
+
+class StorageWriter(ABC):
+    """A storage backend: starts write sessions and removes or checks committed files."""
+
+    @abstractmethod
+    def begin(self, path: str, total_bytes: int) -> WriteSession:
+        """Start writing a checkpoint of ``total_bytes`` bytes that will be published at ``path``."""
+
+    @abstractmethod
+    def exists(self, path: str) -> bool:
+        """Whether a committed file exists at ``path``."""
+
+    @abstractmethod
+    def remove(self, path: str) -> None:
+        """Remove the committed file at ``path``; a missing file is not an error."""
+
+    @abstractmethod
+    def clean_stale(self, directory: str) -> list[str]:
+        """Remove temporary files that crashed runs left in ``directory``; return what was removed."""

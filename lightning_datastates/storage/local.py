@@ -1,0 +1,165 @@
+"""POSIX writer for local disks and parallel file systems (Lustre, GPFS, NFS).
+
+Commit protocol: write a temporary file in the *same directory* (same file system, so the rename is atomic
+and, on Lustre, the file inherits the directory's striping), ``fsync`` it, ``os.replace`` it onto the final
+name, ``fsync`` the directory so the rename itself survives a power loss. Ranges are written with
+``os.pwrite`` from several threads at once.
+
+Temporary files are named ``.<name>.<host>.<pid>.<token>.datastates-tmp``: hidden, never matching
+``*.ckpt``, and telling :meth:`LocalWriter.clean_stale` which process left them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+
+from lightning_datastates.storage.base import StorageWriter, WriteSession
+
+TEMP_SUFFIX = ".datastates-tmp"
+_TEMP_PATTERN = re.compile(r"^\.(?P<name>.+)\.(?P<host>[^.]+)\.(?P<pid>\d+)\.(?P<token>[0-9a-f]{8})" + re.escape(TEMP_SUFFIX) + "$")
+#: A temporary file of another host is only removed once untouched this long: its writer may be alive.
+FOREIGN_TEMP_AGE_S = 3600.0
+
+
+def is_local_path(path: str) -> bool:
+    """Whether ``path`` names a local file (a plain path or a ``file://`` URL)."""
+    return "://" not in path or path.startswith("file://")
+
+
+def local_path(path: str) -> str:
+    """``path`` without a ``file://`` prefix."""
+    return path[len("file://") :] if path.startswith("file://") else path
+
+
+def _host_tag() -> str:
+    return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
+
+
+class LocalWriteSession(WriteSession):
+    """A checkpoint being written to a temporary file beside its final name."""
+
+    def __init__(self, path: str, temp_path: str, fd: int) -> None:
+        self.path = path
+        self.temp_path = temp_path
+        self._fd: int | None = fd
+        self._lock = threading.Lock()
+
+    def write_range(self, offset: int, data: memoryview) -> None:
+        """``pwrite`` all of ``data`` at ``offset`` (retrying short writes)."""
+        fd = self._fd
+        if fd is None:
+            raise RuntimeError(f"write to {self.path} after its session ended")
+        view = memoryview(data).cast("B")
+        while view.nbytes:
+            written = os.pwrite(fd, view, offset)
+            view = view[written:]
+            offset += written
+
+    def complete(self) -> None:
+        """fsync the file, rename it onto the final name, fsync the directory."""
+        with self._lock:
+            fd, self._fd = self._fd, None
+            if fd is None:
+                raise RuntimeError(f"{self.path}: session already ended")
+            try:
+                os.fsync(fd)  # the bytes are durable before the name points at them
+            finally:
+                os.close(fd)
+            os.replace(self.temp_path, self.path)  # atomic: readers see the old file or the new one, whole
+            _fsync_directory(os.path.dirname(self.path) or ".")  # make the rename itself durable
+
+    def abort(self) -> None:
+        """Close and delete the temporary file; the final name is untouched."""
+        with self._lock:
+            fd, self._fd = self._fd, None
+            if fd is not None:
+                os.close(fd)
+            try:
+                os.unlink(self.temp_path)
+            except FileNotFoundError:
+                pass
+
+
+class LocalWriter(StorageWriter):
+    """Writes checkpoints to a POSIX file system; see the module docstring."""
+
+    def begin(self, path: str, total_bytes: int) -> LocalWriteSession:
+        """Create the directory if needed and open a fresh temporary file beside ``path``."""
+        path = local_path(path)
+        if os.path.isdir(path):
+            raise IsADirectoryError(f"{path} is a directory; a checkpoint file path was expected")
+        directory = os.path.dirname(path) or "."
+        os.makedirs(directory, exist_ok=True)
+        name = os.path.basename(path)
+        temp_path = os.path.join(directory, f".{name}.{_host_tag()}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TEMP_SUFFIX}")
+        fd = os.open(temp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        return LocalWriteSession(path, temp_path, fd)
+
+    def exists(self, path: str) -> bool:
+        """Whether ``path`` exists."""
+        return os.path.exists(local_path(path))
+
+    def remove(self, path: str) -> None:
+        """Delete ``path`` (a file, or a directory tree as sharded strategies write); missing is fine."""
+        path = local_path(path)
+        if os.path.isdir(path) and not os.path.islink(path):
+            import shutil
+
+            shutil.rmtree(path, ignore_errors=True)
+            return
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    def clean_stale(self, directory: str) -> list[str]:
+        """Remove temporary files of dead processes on this host, and of other hosts once an hour old."""
+        directory = local_path(directory)
+        try:
+            names = os.listdir(directory)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        removed = []
+        host, now = _host_tag(), time.time()
+        for name in names:
+            match = _TEMP_PATTERN.match(name)
+            if match is None:
+                continue
+            full = os.path.join(directory, name)
+            if match["host"] == host:
+                stale = int(match["pid"]) != os.getpid() and not _pid_alive(int(match["pid"]))
+            else:
+                try:
+                    stale = now - os.stat(full).st_mtime > FOREIGN_TEMP_AGE_S
+                except FileNotFoundError:
+                    continue
+            if stale:
+                try:
+                    os.unlink(full)
+                    removed.append(full)
+                except FileNotFoundError:
+                    pass
+        return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def _fsync_directory(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
