@@ -60,6 +60,9 @@ class DataStatesCallback(Callback):
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Undo :meth:`setup` (the plugin's own teardown drains the writes)."""
+        self._release()
+
+    def _release(self) -> None:
         if self._plugin is None:
             return
         for checkpoint_callback in self._patched:
@@ -131,7 +134,7 @@ class DataStatesCallback(Callback):
         self._check()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        """Drain, and attach background failures to the exception instead of raising over it."""
+        """Drain, attach background failures to the exception instead of raising over it, and let go of the plugin."""
         self._armed = False
         plugin = self._plugin
         if plugin is None:
@@ -140,10 +143,11 @@ class DataStatesCallback(Callback):
         while True:
             try:
                 plugin.raise_pending_failure()
-                return
+                break
             except Exception as failure:  # noqa: BLE001 - reported as a note, never swallowed
                 log.error("lightning_datastates: %s", failure)
                 exception.add_note(f"lightning_datastates: {failure}")
+        self._release()  # Lightning calls no teardown hook of callbacks after an exception
 
     # ------------------------------------------------------------------ helpers
     def _barrier(self) -> None:

@@ -1,0 +1,260 @@
+"""Demo: how long training waits for checkpoints with Lightning's ``TorchCheckpointIO`` and with ``DataStatesIO``.
+
+Run ``python -m lightning_datastates.demo`` (``--help`` for the options). It trains the same small GPT-style model
+on the same synthetic tokens three times in one process, with a real ``lightning.Trainer`` and
+``ModelCheckpoint(every_n_train_steps=...)``: without checkpointing, with ``TorchCheckpointIO`` and with
+``DataStatesIO``. It prints what each checkpoint blocked training, how long DataStatesIO took to make each file
+durable, and the end-to-end cost of each method, then checks that every DataStatesIO file loads with
+``torch.load(weights_only=True)`` and holds, bit for bit, the same weights and optimizer state as the
+TorchCheckpointIO file of the same step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from torch import nn
+
+from lightning_datastates import DataStatesIO
+
+SEED = 1234
+#: Model and batch shapes; ``--layers``/``--dim`` override the preset's.
+PRESETS: dict[str, dict[str, int]] = {
+    "fast": dict(vocab=512, dim=64, layers=2, heads=2, seq_len=32, batch_size=4),
+    "small": dict(vocab=4096, dim=256, layers=4, heads=4, seq_len=64, batch_size=4),
+    "medium": dict(vocab=8192, dim=512, layers=6, heads=8, seq_len=128, batch_size=4),
+}
+
+
+# ---------------------------------------------------------------------------------------------------- the model
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: causal self-attention, then an MLP, each with a residual connection."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: (batch, time, dim) -> same shape."""
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(L.LightningModule):
+    """A small GPT: token and position embeddings, pre-LN blocks, LM head tied to the token embedding, AdamW."""
+
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int, seq_len: int) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(seq_len, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tok.weight  # tied: one storage, two state_dict entries
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids (batch, time) -> logits (batch, time, vocab)."""
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        """Next-token cross-entropy on a (batch, seq_len + 1) block of token ids."""
+        logits = self(batch[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        """AdamW, so the optimizer state is twice the parameters, as in LLM training."""
+        return torch.optim.AdamW(self.parameters(), lr=3e-4, weight_decay=0.1)
+
+
+# ---------------------------------------------------------------------------------------------------- the runs
+class TimedTorchCheckpointIO(TorchCheckpointIO):
+    """Lightning's default CheckpointIO, timing each save: the training thread waits for all of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.saves: list[tuple[str, float]] = []  # (path, seconds blocked)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        started = time.perf_counter()
+        super().save_checkpoint(checkpoint, path, storage_options)
+        self.saves.append((os.fspath(path), time.perf_counter() - started))
+
+
+@dataclass
+class Run:
+    """One fit: its wall time and, per checkpoint, (path, blocked seconds, seconds until durable or None)."""
+
+    fit_s: float
+    checkpoints: list[tuple[str, float, float | None]] = field(default_factory=list)
+
+
+def fit(shape: dict[str, int], steps: int, plugin: Any | None, dirpath: str | None, every: int) -> Run:
+    """Train a fresh, identically seeded model for ``steps`` steps; checkpoint into ``dirpath`` if given."""
+    L.seed_everything(SEED, verbose=False)
+    model = GPT(shape["vocab"], shape["dim"], shape["layers"], shape["heads"], shape["seq_len"])
+    tokens = torch.randint(
+        shape["vocab"], (steps * shape["batch_size"], shape["seq_len"] + 1), generator=torch.Generator().manual_seed(SEED)
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=dirpath is not None,
+        callbacks=[ModelCheckpoint(dirpath=dirpath, every_n_train_steps=every, save_top_k=-1)] if dirpath else None,
+        plugins=[plugin] if plugin is not None else None,
+    )
+    started = time.perf_counter()
+    trainer.fit(model, torch.utils.data.DataLoader(tokens, batch_size=shape["batch_size"]))
+    run = Run(time.perf_counter() - started)
+    os.sync()  # leave no dirty pages behind to slow down the next run
+    if isinstance(plugin, TimedTorchCheckpointIO):
+        run.checkpoints = [(path, blocked, None) for path, blocked in plugin.saves]
+    elif isinstance(plugin, DataStatesIO):
+        for stats in plugin.stats:
+            if stats.state != "committed":
+                raise RuntimeError(f"DataStatesIO checkpoint {stats.path} ended {stats.state}")
+            run.checkpoints.append((stats.path, stats.blocked_s, stats.durable_s))
+    return run
+
+
+def verify(torch_run: Run, datastates_run: Run) -> None:
+    """Every DataStatesIO file loads with ``weights_only=True`` and equals the TorchCheckpointIO file of its step.
+
+    Compares ``state_dict`` and ``optimizer_states`` bit for bit (the other entries name the run's directory).
+
+    Raises:
+        RuntimeError: a file is missing, differs, or a temporary file was left behind.
+    """
+    if len(torch_run.checkpoints) != len(datastates_run.checkpoints):
+        raise RuntimeError(f"{len(torch_run.checkpoints)} vs {len(datastates_run.checkpoints)} checkpoints")
+    for (torch_path, _, _), (ours_path, _, _) in zip(torch_run.checkpoints, datastates_run.checkpoints):
+        if os.path.basename(torch_path) != os.path.basename(ours_path):
+            raise RuntimeError(f"checkpoint names differ: {torch_path} vs {ours_path}")
+        ours = torch.load(ours_path, map_location="cpu", weights_only=True)
+        reference = torch.load(torch_path, map_location="cpu", weights_only=True)
+        for key in ("state_dict", "optimizer_states"):
+            if not _bit_equal(ours[key], reference[key]):
+                raise RuntimeError(f"{ours_path}: {key} differs from the TorchCheckpointIO file {torch_path}")
+    directory = os.path.dirname(datastates_run.checkpoints[-1][0])
+    leftovers = [name for name in os.listdir(directory) if not name.endswith(".ckpt")]
+    if leftovers:
+        raise RuntimeError(f"files left behind in {directory}: {leftovers}")
+
+
+def _bit_equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+        )
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_bit_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_bit_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+# ---------------------------------------------------------------------------------------------------- the report
+def report(baseline: Run, torch_run: Run, datastates_run: Run) -> None:
+    """Print the per-checkpoint table and the summary."""
+    print(f"\n{'checkpoint':<26} {'TorchCheckpointIO':>18} {'DataStatesIO':>13} {'DataStatesIO':>13}")
+    print(f"{'':<26} {'blocked ms':>18} {'blocked ms':>13} {'flush s':>13}")
+    for (path, torch_s, _), (_, ours_s, durable_s) in zip(torch_run.checkpoints, datastates_run.checkpoints):
+        print(f"{os.path.basename(path):<26} {torch_s * 1e3:>18.1f} {ours_s * 1e3:>13.1f} {durable_s:>13.2f}")
+    size_mb = os.path.getsize(datastates_run.checkpoints[-1][0]) / 1e6
+    medians = {}
+    print(f"\nsummary ({len(datastates_run.checkpoints)} checkpoints of {size_mb:.1f} MB per run)")
+    print(f"{'method':<18} {'median blocked ms':>18} {'max blocked ms':>15} {'fit s':>8} {'overhead':>9}")
+    print(f"{'no checkpointing':<18} {'-':>18} {'-':>15} {baseline.fit_s:>8.1f} {'-':>9}")
+    for name, run in (("TorchCheckpointIO", torch_run), ("DataStatesIO", datastates_run)):
+        blocked = [b for _, b, _ in run.checkpoints]
+        medians[name] = statistics.median(blocked)
+        overhead = 100 * (run.fit_s / baseline.fit_s - 1)
+        print(f"{name:<18} {medians[name] * 1e3:>18.1f} {max(blocked) * 1e3:>15.1f} {run.fit_s:>8.1f} {overhead:>8.1f}%")
+    ratio = medians["TorchCheckpointIO"] / medians["DataStatesIO"] if medians["DataStatesIO"] else math.inf
+    print(f"median blocked time, TorchCheckpointIO / DataStatesIO: {ratio:.1f}x")
+    print("(DataStatesIO fsyncs every file before publishing it; TorchCheckpointIO leaves it in the page cache.)")
+
+
+# ---------------------------------------------------------------------------------------------------- main
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (see ``--help``)."""
+    parser = argparse.ArgumentParser(prog="python -m lightning_datastates.demo", description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, help="train steps per run (default 40; 12 with --fast)")
+    parser.add_argument("--every", type=int, help="checkpoint every N train steps (default 4)")
+    parser.add_argument("--dir", help="where the run directory is made (default: the system temp dir)")
+    parser.add_argument("--keep", action="store_true", help="keep the checkpoints (default: removed at the end)")
+    parser.add_argument("--size", choices=["small", "medium"], default="medium", help="model preset (default medium)")
+    parser.add_argument("--layers", type=int, help="transformer blocks (overrides the preset)")
+    parser.add_argument("--dim", type=int, help="model width (overrides the preset)")
+    parser.add_argument("--fast", action="store_true", help="tiny model and few steps, for CI")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for training (default 1: the other "
+                        "cores are left to checkpointing, as a GPU node leaves its CPU free)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Run]:
+    """Run the three fits, print the report, verify the files; return the runs."""
+    args = parse_args(argv)
+    shape = dict(PRESETS["fast" if args.fast else args.size])
+    shape.update({k: v for k, v in (("layers", args.layers), ("dim", args.dim)) if v is not None})
+    steps = args.steps or (12 if args.fast else 40)
+    every = args.every or 4
+    if not 1 <= every <= steps:
+        raise SystemExit(f"--every must be between 1 and --steps ({steps}), got {every}")
+    torch.set_num_threads(args.threads)
+    for name in ("lightning.pytorch", "lightning.fabric"):  # Trainer banners, "Adding 1 callbacks from entry point"
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    warnings.filterwarnings("ignore", ".*LeafSpec.*")  # lightning 2.6 vs torch 2.13 deprecation noise
+    root = tempfile.mkdtemp(prefix="datastates-demo-", dir=args.dir)
+    params = sum(p.numel() for p in GPT(**{k: shape[k] for k in ("vocab", "dim", "layers", "heads", "seq_len")}).parameters())
+    print(f"GPT: {params / 1e6:.1f}M parameters ({shape}); {steps} steps, a checkpoint every {every}; "
+          f"{args.threads} training thread(s) of {os.cpu_count()} CPUs; files in {root}")
+    try:
+        fit(shape, 2, None, None, every)  # warm-up: first-call costs land on no measured run
+        runs = {
+            "baseline": fit(shape, steps, None, None, every),
+            "torch": fit(shape, steps, TimedTorchCheckpointIO(), os.path.join(root, "torch"), every),
+            "datastates": fit(shape, steps, DataStatesIO(), os.path.join(root, "datastates"), every),
+        }
+        report(runs["baseline"], runs["torch"], runs["datastates"])
+        verify(runs["torch"], runs["datastates"])
+        print(f"verify: OK ({len(runs['datastates'].checkpoints)} DataStatesIO files load with weights_only=True and "
+              "equal the TorchCheckpointIO files bit for bit)")
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    return runs
+
+
+if __name__ == "__main__":
+    main()

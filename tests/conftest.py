@@ -1,0 +1,180 @@
+"""Shared pieces for the Trainer-level tests: a small BatchNorm model, bit-exact comparison, fault injection."""
+
+from __future__ import annotations
+
+import copy
+import os
+import threading
+import time
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_datastates import DataStatesIO
+from lightning_datastates.snapshot import copier as copier_module
+from lightning_datastates.storage.local import TEMP_SUFFIX, LocalWriter, LocalWriteSession
+
+
+class BNModel(L.LightningModule):
+    """MLP with BatchNorm (buffers change in every training forward), AdamW and a per-step LR scheduler."""
+
+    def __init__(self, width: int = 256, fail_at_step: int | None = None) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(32, width),
+            torch.nn.BatchNorm1d(width),
+            torch.nn.ReLU(),
+            torch.nn.Linear(width, width),
+            torch.nn.ReLU(),
+            torch.nn.Linear(width, 1),
+        )
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.hparams.fail_at_step is not None and self.global_step == self.hparams.fail_at_step:
+            raise RuntimeError("boom in training_step")
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def make_loader(n: int = 64, batch_size: int = 8, seed: int = 0) -> torch.utils.data.DataLoader:
+    """Deterministic synthetic regression data."""
+    generator = torch.Generator().manual_seed(seed)
+    dataset = torch.utils.data.TensorDataset(torch.randn(n, 32, generator=generator), torch.randn(n, 1, generator=generator))
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size)
+
+
+def make_trainer(tmp_dir: str, plugin: Any | None, callbacks: list[Any] | None = None, **kwargs: Any) -> L.Trainer:
+    """A quiet CPU Trainer checkpointing into ``tmp_dir``."""
+    options: dict[str, Any] = dict(
+        max_epochs=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=tmp_dir,
+        accelerator="cpu",
+        deterministic=True,
+    )
+    options.update(kwargs)
+    return L.Trainer(plugins=[plugin] if plugin is not None else None, callbacks=callbacks, **options)
+
+
+def every_step_checkpoint(dirpath: str, **kwargs: Any) -> ModelCheckpoint:
+    """ModelCheckpoint saving every train step, all kept, plus last.ckpt."""
+    options: dict[str, Any] = dict(dirpath=dirpath, every_n_train_steps=1, save_top_k=-1, save_last=True)
+    options.update(kwargs)
+    return ModelCheckpoint(**options)
+
+
+class RecordingDataStatesIO(DataStatesIO):
+    """DataStatesIO that first records a synchronous deep copy of every checkpoint, keyed by path.
+
+    The copy is taken on the training thread at the moment of the save call: the reference every file must equal.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.recorded: dict[str, Any] = {}
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        self.recorded[os.fspath(path)] = copy.deepcopy(checkpoint)
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+def assert_bit_equal(actual: Any, expected: Any, where: str = "checkpoint") -> None:
+    """Recursively compare containers and tensors; tensors must match in dtype, shape and every byte."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), f"{where}: expected a tensor, got {type(actual).__name__}"
+        assert actual.dtype == expected.dtype, f"{where}: dtype {actual.dtype} != {expected.dtype}"
+        assert actual.shape == expected.shape, f"{where}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+        a = actual.detach().cpu().reshape(-1).contiguous().view(torch.uint8)
+        b = expected.detach().cpu().reshape(-1).contiguous().view(torch.uint8)
+        assert torch.equal(a, b), f"{where}: tensor bytes differ"
+    elif isinstance(expected, dict):
+        assert isinstance(actual, dict), f"{where}: expected a dict, got {type(actual).__name__}"
+        assert list(actual.keys()) == list(expected.keys()), f"{where}: keys {list(actual)} != {list(expected)}"
+        for key in expected:
+            assert_bit_equal(actual[key], expected[key], f"{where}[{key!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert type(actual) is type(expected) and len(actual) == len(expected), f"{where}: {actual!r} != {expected!r}"
+        for index, (a_item, e_item) in enumerate(zip(actual, expected)):
+            assert_bit_equal(a_item, e_item, f"{where}[{index}]")
+    else:
+        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
+
+
+def temp_files(directory: str) -> list[str]:
+    """Temporary files of in-flight (or crashed) writes under ``directory``."""
+    found = []
+    for root, _, names in os.walk(directory):
+        found += [os.path.join(root, n) for n in names if n.endswith(TEMP_SUFFIX)]
+    return found
+
+
+@pytest.fixture
+def slow_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every host copy take 2 ms longer: copies then reliably outlast a training step of these tiny models.
+
+    Real copies of large models take longer than a step; this recreates that at a precise point (the copier),
+    without touching the logic under test.
+    """
+    original = copier_module.CpuCopier.copy
+
+    def slow_copy(self: Any, dst: torch.Tensor, src: torch.Tensor, mark: Any) -> None:
+        time.sleep(0.002)
+        original(self, dst, src, mark)
+
+    monkeypatch.setattr(copier_module.CpuCopier, "copy", slow_copy)
+
+
+class GatedWriter(LocalWriter):
+    """LocalWriter whose sessions hold every ``write_range`` until ``gate`` is set (or fail on the Nth write)."""
+
+    def __init__(self, fail_on_write: int | None = None, delay_s: float = 0.0) -> None:
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail_on_write = fail_on_write
+        self.delay_s = delay_s
+        self.writes = 0
+        self._lock = threading.Lock()
+
+    def begin(self, path: str, total_bytes: int) -> LocalWriteSession:
+        session = super().begin(path, total_bytes)
+        writer = self
+
+        class _Session(LocalWriteSession):
+            def write_range(self, offset: int, data: memoryview) -> None:
+                writer.gate.wait(timeout=30)
+                if writer.delay_s:
+                    time.sleep(writer.delay_s)
+                with writer._lock:
+                    writer.writes += 1
+                    failing = writer.writes == writer.fail_on_write
+                if failing:
+                    raise OSError(28, "No space left on device (injected)")
+                super().write_range(offset, data)
+
+        return _Session(session.path, session.temp_path, session._fd)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def gated_writer(monkeypatch: pytest.MonkeyPatch) -> GatedWriter:
+    """Route the plugin's local writes through a :class:`GatedWriter` (faults at a precise point)."""
+    writer = GatedWriter()
+    monkeypatch.setattr("lightning_datastates.plugin.writer_for", lambda path: writer)
+    return writer

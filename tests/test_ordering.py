@@ -1,0 +1,140 @@
+"""Ordering and bounds of the plugin on its own: pending loads, removals, repeated saves, small arenas."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+
+from lightning_datastates import DataStatesIO
+from tests.conftest import GatedWriter, assert_bit_equal, temp_files
+
+
+def _checkpoint(seed: int, megabytes: int = 4) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(megabytes * 2**18, generator=generator)  # 4 bytes each
+    return {
+        "state_dict": {"weight": weight, "tied": weight, "view": weight[10:20], "bias": torch.randn(7, generator=generator)},
+        "epoch": seed,
+        "hyper_parameters": {"name": f"run-{seed}", "sizes": (1, 2, 3)},
+    }
+
+
+def _release_later(writer: GatedWriter, delay_s: float = 0.3) -> threading.Timer:
+    timer = threading.Timer(delay_s, writer.gate.set)
+    timer.start()
+    return timer
+
+
+def test_load_of_pending_path_waits_for_its_write(tmp_path, gated_writer):
+    plugin = DataStatesIO()
+    path = str(tmp_path / "a.ckpt")
+    gated_writer.gate.clear()
+    expected = _checkpoint(1)
+    plugin.save_checkpoint(expected, path)
+    assert plugin.is_pending(path) and not os.path.exists(path)
+    _release_later(gated_writer)
+    loaded = plugin.load_checkpoint(path, weights_only=True)
+    assert_bit_equal(loaded, expected)
+    assert loaded["state_dict"]["weight"].data_ptr() == loaded["state_dict"]["tied"].data_ptr()  # still tied
+    plugin.teardown()
+
+
+def test_remove_of_pending_path_leaves_nothing(tmp_path, gated_writer):
+    plugin = DataStatesIO()
+    path = str(tmp_path / "a.ckpt")
+    gated_writer.gate.clear()
+    plugin.save_checkpoint(_checkpoint(1), path)
+    _release_later(gated_writer)
+    plugin.remove_checkpoint(path)
+    plugin.drain()
+    assert os.listdir(tmp_path) == []
+    plugin.teardown()
+
+
+def test_remove_of_committed_path_while_another_is_pending(tmp_path, gated_writer):
+    plugin = DataStatesIO()
+    first, second = str(tmp_path / "first.ckpt"), str(tmp_path / "second.ckpt")
+    plugin.save_checkpoint(_checkpoint(1), first)
+    plugin.drain()
+    gated_writer.gate.clear()
+    plugin.save_checkpoint(_checkpoint(2), second)
+    plugin.remove_checkpoint(first)  # must not wait for, nor disturb, the other path
+    assert not os.path.exists(first)
+    gated_writer.gate.set()
+    plugin.drain()
+    assert_bit_equal(torch.load(second, weights_only=True), _checkpoint(2))
+    plugin.teardown()
+
+
+def test_saves_to_one_path_land_in_order(tmp_path, gated_writer):
+    plugin = DataStatesIO()
+    path = str(tmp_path / "last.ckpt")
+    gated_writer.gate.clear()
+    for seed in range(5):
+        plugin.save_checkpoint(_checkpoint(seed), path)
+    gated_writer.gate.set()
+    plugin.drain()
+    assert_bit_equal(torch.load(path, weights_only=True), _checkpoint(4))
+    assert temp_files(str(tmp_path)) == []
+    plugin.teardown()
+
+
+def test_many_checkpoints_in_flight(tmp_path, gated_writer):
+    plugin = DataStatesIO(host_cache="64MiB", writer_threads=3)
+    gated_writer.delay_s = 0.002  # storage slower than saves
+    paths = [str(tmp_path / f"c{i}.ckpt") for i in range(12)]
+    for seed, path in enumerate(paths):
+        plugin.save_checkpoint(_checkpoint(seed), path)
+    assert sum(plugin.is_pending(p) for p in paths) > 1
+    plugin.drain()
+    for seed, path in enumerate(paths):
+        assert_bit_equal(torch.load(path, weights_only=True), _checkpoint(seed), path)
+    assert plugin.engine.arena is not None
+    assert plugin.engine.arena.peak_used_bytes <= plugin.engine.arena.size_bytes
+    plugin.teardown()
+
+
+def test_arena_smaller_than_one_checkpoint_streams(tmp_path):
+    plugin = DataStatesIO(host_cache="1MiB", chunk_size="128KiB")
+    path = str(tmp_path / "big.ckpt")
+    expected = _checkpoint(3, megabytes=8)
+    plugin.save_checkpoint(expected, path)
+    plugin.drain()
+    arena = plugin.engine.arena
+    assert arena is not None and arena.size_bytes == 2**20
+    assert arena.peak_used_bytes <= arena.size_bytes
+    assert_bit_equal(torch.load(path, weights_only=True), expected)
+    plugin.teardown()
+
+
+def test_without_callback_everything_is_copied_before_save_returns(tmp_path, gated_writer):
+    """Outside a Trainer nothing guarantees a barrier: the save call must snapshot every tensor itself."""
+    plugin = DataStatesIO(eager_copy_size="1KiB")
+    path = str(tmp_path / "a.ckpt")
+    checkpoint = _checkpoint(5)
+    expected = {k: (v.copy() if isinstance(v, dict) else v) for k, v in checkpoint.items()}
+    expected["state_dict"] = {k: v.clone() for k, v in checkpoint["state_dict"].items()}
+    gated_writer.gate.clear()
+    plugin.save_checkpoint(checkpoint, path)
+    checkpoint["state_dict"]["weight"].add_(1.0)  # mutate right after the call returns
+    checkpoint["hyper_parameters"]["name"] = "changed"  # and the containers too
+    gated_writer.gate.set()
+    plugin.drain()
+    loaded = torch.load(path, weights_only=True)
+    assert_bit_equal(loaded["state_dict"]["weight"], expected["state_dict"]["weight"])
+    assert loaded["hyper_parameters"]["name"] == "run-5"
+    plugin.teardown()
+
+
+def test_teardown_stops_threads_and_plugin_restarts(tmp_path):
+    plugin = DataStatesIO()
+    plugin.save_checkpoint(_checkpoint(1), str(tmp_path / "a.ckpt"))
+    threads = list(plugin.engine._threads)
+    plugin.teardown()
+    assert threads and not any(t.is_alive() for t in threads)
+    assert plugin.engine._threads == []
+    plugin.save_checkpoint(_checkpoint(2), str(tmp_path / "b.ckpt"))
+    plugin.teardown()
+    assert_bit_equal(torch.load(str(tmp_path / "b.ckpt"), weights_only=True), _checkpoint(2))
