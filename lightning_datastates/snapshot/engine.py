@@ -36,6 +36,8 @@ log = logging.getLogger("lightning_datastates")
 
 #: How often idle threads look whether they should end (engine closed, or interpreter exiting).
 _POLL_S = 0.1
+#: Idle threads end after this long without work (they are started again by the next capture).
+_IDLE_EXIT_S = 10.0
 #: Stats of this many recent checkpoints are kept.
 _HISTORY_LENGTH = 1000
 
@@ -82,7 +84,6 @@ class SnapshotEngine:
         storages = list_storages(checkpoint)
         layout = self._plan(checkpoint, storages)
         self.wait_copies()  # one snapshot copies at a time: the arena is not split between them
-        session = writer.begin(path, layout.total_bytes)
         arena = self._ensure_arena(layout.payload_bytes)
         chunk_bytes = max(4096, min(self.config.chunk_bytes, arena.size_bytes // 4))
         eager_keys = {
@@ -91,18 +92,23 @@ class SnapshotEngine:
             if lazy is None or r.nbytes <= self.config.eager_copy_bytes or not lazy(storages[r.key])
         }
         devices = {s.device for s in storages if s.nbytes() > 0}
-        job = SnapshotJob(
-            path=path,
-            layout=layout,
-            session=session,
-            sources=storages,
-            eager_chunks=plan_chunks((r for r in layout.records if r.key in eager_keys), chunk_bytes),
-            lazy_chunks=plan_chunks((r for r in layout.records if r.key not in eager_keys), chunk_bytes),
-            marks=self._copiers.marks(devices),
-            stats=SnapshotStats(path, layout.total_bytes, layout.payload_bytes, started_at),
-            outstanding=2,  # the copy, and the metadata write
-            on_ready=self._schedule_commit,
-        )
+        session = writer.begin(path, layout.total_bytes)
+        try:
+            job = SnapshotJob(
+                path=path,
+                layout=layout,
+                session=session,
+                sources=storages,
+                eager_chunks=plan_chunks((r for r in layout.records if r.key in eager_keys), chunk_bytes),
+                lazy_chunks=plan_chunks((r for r in layout.records if r.key not in eager_keys), chunk_bytes),
+                marks=self._copiers.marks(devices),
+                stats=SnapshotStats(path, layout.total_bytes, layout.payload_bytes, started_at),
+                outstanding=2,  # the copy, and the metadata write
+                on_ready=self._schedule_commit,
+            )
+        except BaseException:
+            session.abort()  # nothing was scheduled: leave no temporary file behind
+            raise
         with self._lock:
             predecessor = self._latest_by_path.get(path)
             if predecessor is not None and not predecessor.finished.is_set():
@@ -225,21 +231,33 @@ class SnapshotEngine:
                     thread.start()
                     self._threads.append(thread)
 
-    def _should_exit(self, own_queue: queue.Queue[Any]) -> bool:
+    def _retire_if_idle(self, own_queue: queue.Queue[Any], idle_since: float) -> bool:
+        """Whether the calling thread should end: nothing pending and the engine closing, the interpreter
+        exiting, or idle for a while. Decided and deregistered under the lock, so a capture that starts now
+        sees the thread gone and starts a new one."""
         with self._lock:
-            idle = not self._active and own_queue.empty()
-            return idle and (self._closing or not threading.main_thread().is_alive())
+            if self._active or not own_queue.empty():
+                return False
+            idle_too_long = time.monotonic() - idle_since > _IDLE_EXIT_S
+            if not (self._closing or idle_too_long or not threading.main_thread().is_alive()):
+                return False
+            current = threading.current_thread()
+            if current in self._threads:
+                self._threads.remove(current)
+            return True
 
     # ------------------------------------------------------------------ copier thread
     def _copy_loop(self) -> None:
+        idle_since = time.monotonic()
         while True:
             try:
                 job = self._copy_queue.get(timeout=_POLL_S)
             except queue.Empty:
-                if self._should_exit(self._copy_queue):
+                if self._retire_if_idle(self._copy_queue, idle_since):
                     return
                 continue
             self._copy_job(job)
+            idle_since = time.monotonic()
 
     def _copy_job(self, job: SnapshotJob) -> None:
         try:
@@ -274,13 +292,15 @@ class SnapshotEngine:
 
     # ------------------------------------------------------------------ writer threads
     def _write_loop(self) -> None:
+        idle_since = time.monotonic()
         while True:
             try:
                 task = self._write_queue.get(timeout=_POLL_S)
             except queue.Empty:
-                if self._should_exit(self._write_queue):
+                if self._retire_if_idle(self._write_queue, idle_since):
                     return
                 continue
+            idle_since = time.monotonic()
             kind, job = task[0], task[1]
             if kind == "commit":
                 self._commit(job)

@@ -1,0 +1,82 @@
+"""Short GPU measurement for scripts/gpu_check.sh: copy rate and blocked time, beside a pinned cudaMemcpy.
+
+Prints: the pinned device-to-host rate of a plain ``copy_`` (cudaMemcpy), our copier's rate for the same bytes
+(ratio is the target: >= 0.8x), and the training-thread blocked time of DataStatesIO.save_checkpoint + barrier
+vs TorchCheckpointIO.save_checkpoint for a ~1B-parameter state held on the GPU.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+
+import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from lightning_datastates import DataStatesIO
+
+
+class _AllLazy:
+    def lazy_predicate(self):
+        return lambda storage: True
+
+
+def main() -> None:
+    assert torch.cuda.is_available(), "needs a GPU"
+    gib = 2**30
+    source = torch.empty(2 * gib, dtype=torch.uint8, device="cuda")
+    pinned = torch.empty(2 * gib, dtype=torch.uint8, pin_memory=True)
+    pinned.copy_(source)  # warm up
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    pinned.copy_(source, non_blocking=True)
+    torch.cuda.synchronize()
+    memcpy_gbps = 2 / (time.perf_counter() - started)
+    del pinned
+
+    # ~1B parameters in bf16 (2 GB), split into 256 tensors like a model's layers.
+    params = [torch.randn(4 * 2**20 - 1, device="cuda").to(torch.bfloat16) for _ in range(256)]
+    directory = tempfile.mkdtemp()
+    plugin = DataStatesIO(host_cache="6GiB", chunk_size="256MiB")
+    plugin._owner = _AllLazy()  # type: ignore[assignment]
+    ckpt = {"state_dict": {f"p{i}": p for i, p in enumerate(params)}}
+    blocked, copy_rates = [], []
+    for round_ in range(4):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        plugin.save_checkpoint(ckpt, f"{directory}/ds{round_}.ckpt")
+        returned = time.perf_counter()
+        # Simulated forward/backward: 200 ms of GPU work while the copy runs.
+        a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        end = time.perf_counter() + 0.2
+        while time.perf_counter() < end:
+            a = (a @ a).clamp_(-1, 1)
+        torch.cuda.synchronize()
+        before_barrier = time.perf_counter()
+        plugin.barrier()
+        after_barrier = time.perf_counter()
+        blocked.append((returned - started) + (after_barrier - before_barrier))
+        stats = plugin.stats[-1]
+        if stats.copy_s:
+            copy_rates.append(stats.payload_bytes / gib / stats.copy_s)
+        plugin.drain()
+    plugin.teardown()
+
+    torch_io = TorchCheckpointIO()
+    sync_times = []
+    for round_ in range(2):
+        started = time.perf_counter()
+        torch_io.save_checkpoint(ckpt, f"{directory}/t{round_}.ckpt")
+        sync_times.append(time.perf_counter() - started)
+
+    print(f"pinned cudaMemcpy D2H: {memcpy_gbps:.1f} GiB/s")
+    print(f"DataStatesIO copy rate (save call to copied, overlapping 200 ms of matmuls): {statistics.median(copy_rates):.1f} GiB/s")
+    print(f"copy rate ratio vs cudaMemcpy: {statistics.median(copy_rates) / memcpy_gbps:.2f}x")
+    print(f"blocked per checkpoint, DataStatesIO: p50 {1e3 * statistics.median(blocked):.1f} ms, max {1e3 * max(blocked):.1f} ms")
+    print(f"blocked per checkpoint, TorchCheckpointIO: p50 {1e3 * statistics.median(sync_times):.1f} ms")
+    print(f"ratio: {statistics.median(blocked) / statistics.median(sync_times):.4f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""The CUDA path: pinned arena, copy stream ordered after the compute stream, barrier on the copies.
+
+Skipped without a GPU (CI has none); run by ``scripts/gpu_check.sh`` whenever a GPU machine is available.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from lightning_datastates import DataStatesIO
+from tests.conftest import BNModel, RecordingDataStatesIO, assert_bit_equal, every_step_checkpoint, make_loader, make_trainer
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+class _AllLazy:
+    """Stands in for the callback: every storage may be copied lazily (the test calls the barrier itself)."""
+
+    def lazy_predicate(self):
+        return lambda storage: True
+
+
+def test_copy_is_ordered_after_queued_kernels_and_before_mutation(tmp_path):
+    plugin = DataStatesIO(host_cache="2GiB")
+    plugin._owner = _AllLazy()  # type: ignore[assignment]
+    weight = torch.zeros(64 * 2**20, device="cuda")  # 256 MiB
+    for round_ in range(3):
+        # Queue slow work that produces the state: the copy must wait for it (event on the compute stream).
+        weight.fill_(float(round_))
+        for _ in range(20):
+            weight.mul_(1.0001)
+        expected = weight.cpu()  # synchronizes: the reference
+        weight.sub_(expected.cuda())
+        weight.add_(expected.cuda())  # same values, produced by kernels still in flight at the save call
+        path = str(tmp_path / f"r{round_}.ckpt")
+        plugin.save_checkpoint({"w": weight}, path)
+        plugin.barrier()  # what on_before_optimizer_step does
+        weight.add_(1000.0)  # the "optimizer step": must not leak into the file
+        plugin.drain()
+        assert torch.equal(torch.load(path, weights_only=True, map_location="cpu")["w"], expected)
+    arena = plugin.engine.arena
+    assert arena is not None and arena.pinned and arena.buffer.is_pinned()
+    plugin.teardown()
+
+
+def test_trainer_on_gpu_every_file_equals_state_at_save(tmp_path):
+    torch.manual_seed(0)
+    plugin = RecordingDataStatesIO(chunk_size="4MiB")
+    trainer = make_trainer(
+        str(tmp_path), plugin, callbacks=[every_step_checkpoint(str(tmp_path / "ckpt"))], accelerator="gpu",
+        devices=1, deterministic=False,
+    )
+    trainer.fit(BNModel(width=2048), make_loader(n=256, batch_size=32))
+    assert len(plugin.recorded) >= 16
+    for path, expected in plugin.recorded.items():
+        assert_bit_equal(torch.load(path, map_location="cpu", weights_only=False), expected, os.path.basename(path))
+
+
+def test_no_extra_gpu_memory(tmp_path):
+    plugin = DataStatesIO()
+    plugin._owner = _AllLazy()  # type: ignore[assignment]
+    weight = torch.randn(32 * 2**20, device="cuda")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    plugin.save_checkpoint({"w": weight}, str(tmp_path / "m.ckpt"))
+    plugin.barrier()
+    plugin.drain()
+    assert torch.cuda.max_memory_allocated() == before  # no device-side staging copy
+    plugin.teardown()
