@@ -3,7 +3,8 @@
 A snapshot's tensors are copied while training goes on, so training must wait wherever the saved state could
 change next. This callback waits (a *barrier*) in ``on_before_optimizer_step`` and at the rarer points where
 Lightning or other callbacks mutate state (epoch start, validation start, train end; see ../shared/DESIGN.md
-5.2), and nowhere else. It raises background write failures on the training thread at the next hook, and
+5.2), and nowhere else: not at epoch or validation end, where nothing mutates the saved state before the next
+of those points. It raises background write failures on the training thread at the next hook, and
 drains every pending write at the end of fit and on exceptions.
 
 It is added to every Trainer through the ``lightning.pytorch.callbacks_factory`` entry point, does nothing
@@ -110,16 +111,8 @@ class DataStatesCallback(Callback):
         """Barrier: callbacks such as StochasticWeightAveraging change weights here."""
         self._barrier()
 
-    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Barrier: epoch-interval LR schedulers and weight averaging act after this."""
-        self._barrier()
-
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Barrier: weight averaging callbacks swap weights in for validation."""
-        self._barrier()
-
-    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Barrier: weight averaging callbacks swap weights back after validation."""
         self._barrier()
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -37,7 +37,7 @@ SEED = 1234
 PRESETS: dict[str, dict[str, int]] = {
     "fast": dict(vocab=512, dim=64, layers=2, heads=2, seq_len=32, batch_size=4),
     "small": dict(vocab=4096, dim=256, layers=4, heads=4, seq_len=64, batch_size=4),
-    "medium": dict(vocab=8192, dim=512, layers=6, heads=8, seq_len=128, batch_size=4),
+    "medium": dict(vocab=8192, dim=512, layers=6, heads=8, seq_len=128, batch_size=2),
 }
 
 

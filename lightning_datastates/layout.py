@@ -94,9 +94,9 @@ def list_storages(checkpoint: Any) -> list[torch.UntypedStorage]:
             return key
 
     try:
-        # skip_data makes Tensor.__reduce_ex__ take the same branch it takes in plan_layout's torch.save.
-        with torch.serialization.skip_data():
-            _StorageLister(_NullSink(), protocol=_TORCH_PICKLE_PROTOCOL).dump(checkpoint)
+        # Not under skip_data: where skip_data changes Tensor.__reduce_ex__ (quantized tensors, storage-less
+        # backends) plan_layout's torch.save raises and the caller falls back to a plain torch.save.
+        _StorageLister(_NullSink(), protocol=_TORCH_PICKLE_PROTOCOL).dump(checkpoint)
     except Exception as exc:  # pickling raises many types: PicklingError, TypeError, AttributeError...
         raise CheckpointCaptureError(
             f"the checkpoint cannot be pickled: {exc!r}. Every value in the checkpoint dict (hyperparameters, "
