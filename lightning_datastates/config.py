@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Union
 
 from lightning_datastates.errors import ConfigError
@@ -28,6 +29,7 @@ _UNITS = {
     "gib": 1024**3,
     "tib": 1024**4,
 }
+_MAX_SIZE_BYTES = 2**60  # 1 EiB
 _SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -49,11 +51,13 @@ def parse_size(value: Size, name: str) -> int:
                 f"{name}={value!r} is not a size: use bytes (4096) or a number with a unit "
                 "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '8GiB'"
             )
-        nbytes = int(float(match.group(1)) * _UNITS[unit])
+        nbytes = int(Decimal(match.group(1)) * _UNITS[unit])  # exact: no float rounding or overflow
     else:
         raise ConfigError(f"{name} must be an int or a string such as '8GiB', got {type(value).__name__}")
     if nbytes <= 0:
         raise ConfigError(f"{name} must be positive, got {value!r}")
+    if nbytes > _MAX_SIZE_BYTES:
+        raise ConfigError(f"{name}={value!r} is larger than any machine's memory or file; did you mean a smaller unit?")
     return nbytes
 
 

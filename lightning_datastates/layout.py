@@ -133,7 +133,7 @@ def _match_records(holes: list[tuple[int, int]], storages: list[torch.UntypedSto
     if len(nonempty) != len(holes):
         raise LayoutUnsupported(f"{len(holes)} holes for {len(nonempty)} non-empty storages")
     offsets: dict[int, int] = {}
-    for key, (offset, length) in zip(nonempty, holes):
+    for key, (offset, length) in zip(nonempty, holes, strict=True):
         if length != storages[key].nbytes():
             raise LayoutUnsupported(f"hole of {length} bytes for storage {key} of {storages[key].nbytes()} bytes")
         offsets[key] = offset
@@ -232,7 +232,9 @@ class _SparseReader(io.RawIOBase):
         start, end = self._position, self._position + count
         # Segments are sorted and disjoint: start from the last one beginning at or before `start`.
         index = max(0, bisect.bisect_right(self._starts, start) - 1)
-        for offset, data in self._segments[index:]:
+        while index < len(self._segments):  # by index: slicing the tail on every read would be quadratic
+            offset, data = self._segments[index]
+            index += 1
             if offset >= end:
                 break
             lo, hi = max(offset, start), min(offset + len(data), end)

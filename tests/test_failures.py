@@ -155,3 +155,13 @@ def test_interpreter_exit_finishes_pending_writes(tmp_path):
     loaded = torch.load(path, weights_only=True)
     assert torch.equal(loaded["w"], torch.arange(4 * 2**20, dtype=torch.float32))
     assert temp_files(str(tmp_path)) == []
+
+
+def test_views_of_one_storage_as_different_dtypes_raise_capture_error(tmp_path):
+    """torch.save itself refuses these; the plugin says so at the save call and writes nothing."""
+    x = torch.randn(16)
+    plugin = DataStatesIO()
+    with pytest.raises(CheckpointCaptureError, match="view the same data"):
+        plugin.save_checkpoint({"a": x, "b": x.view(torch.int32)}, str(tmp_path / "alias.ckpt"))
+    assert os.listdir(tmp_path) == []
+    plugin.teardown()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +51,11 @@ class HostArena:
     def __init__(self, size_bytes: int, pin_memory: bool = False) -> None:
         self.size_bytes = _align_up(size_bytes)
         self.pinned = pin_memory
-        self.buffer = torch.empty(self.size_bytes, dtype=torch.uint8, pin_memory=pin_memory)
+        # Over-allocate by a page and start on a page boundary: torch's CPU allocator aligns to 64 bytes only,
+        # and direct I/O needs page-aligned memory as well as page-aligned offsets.
+        raw = torch.empty(self.size_bytes + BLOCK_ALIGNMENT_BYTES, dtype=torch.uint8, pin_memory=pin_memory)
+        shift = -raw.data_ptr() % BLOCK_ALIGNMENT_BYTES
+        self.buffer = raw[shift : shift + self.size_bytes]
         self._free: list[tuple[int, int]] = [(0, self.size_bytes)]  # sorted, disjoint (offset, size) ranges
         self._used_bytes = 0
         self._peak_used_bytes = 0
@@ -66,9 +71,12 @@ class HostArena:
             ArenaClosed: the arena was closed while waiting.
             TimeoutError: ``timeout_s`` passed without space.
         """
+        if nbytes < 0:
+            raise ValueError(f"cannot allocate a negative number of bytes ({nbytes})")
         block = Block(0, nbytes)
         if block.reserved_bytes > self.size_bytes:
             raise ValueError(f"a block of {nbytes} bytes does not fit in an arena of {self.size_bytes} bytes")
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
             while True:
                 if self._closed:
@@ -78,8 +86,11 @@ class HostArena:
                     self._used_bytes += block.reserved_bytes
                     self._peak_used_bytes = max(self._peak_used_bytes, self._used_bytes)
                     return Block(offset, nbytes)
-                if not self._cond.wait(timeout_s):
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and (remaining <= 0 or not self._cond.wait(remaining)):
                     raise TimeoutError(f"no {nbytes} bytes free in the host arena after {timeout_s} s")
+                if remaining is None:
+                    self._cond.wait()
 
     def free(self, block: Block) -> None:
         """Return ``block`` to the arena and wake waiting allocators."""
@@ -87,6 +98,10 @@ class HostArena:
         with self._cond:
             index = bisect.bisect_left(self._free, (block.offset, 0))
             start, end = block.offset, block.offset + size
+            overlaps_next = index < len(self._free) and self._free[index][0] < end
+            overlaps_previous = index > 0 and sum(self._free[index - 1]) > start
+            if overlaps_next or overlaps_previous or end > self.size_bytes:
+                raise ValueError(f"{block} is not an allocated block of this arena (freed twice?)")
             # Coalesce with the neighbours so large requests can be served again.
             if index < len(self._free) and self._free[index][0] == end:
                 end += self._free.pop(index)[1]

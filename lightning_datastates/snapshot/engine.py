@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 from lightning_datastates.config import DataStatesConfig
+from lightning_datastates.errors import CheckpointCaptureError
 from lightning_datastates.layout import CheckpointLayout, LayoutUnsupported, list_storages, plan_layout
 from lightning_datastates.snapshot.arena import HostArena
 from lightning_datastates.snapshot.chunks import Chunk, plan_chunks
@@ -207,7 +208,10 @@ class SnapshotEngine:
                 )
                 self._warned_fallback = True
             buffer = io.BytesIO()
-            torch.save(checkpoint, buffer)
+            try:
+                torch.save(checkpoint, buffer)
+            except Exception as exc:
+                raise CheckpointCaptureError(f"torch.save cannot serialize this checkpoint: {exc}") from exc
             data = buffer.getvalue()
             return CheckpointLayout(metadata=((0, data),), records=(), total_bytes=len(data))
 

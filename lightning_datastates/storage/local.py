@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
 import threading
 import time
@@ -21,7 +22,11 @@ import uuid
 from lightning_datastates.storage.base import StorageWriter, WriteSession
 
 TEMP_SUFFIX = ".datastates-tmp"
-_TEMP_PATTERN = re.compile(r"^\.(?P<name>.+)\.(?P<host>[^.]+)\.(?P<pid>\d+)\.(?P<token>[0-9a-f]{8})" + re.escape(TEMP_SUFFIX) + "$")
+_TEMP_PATTERN = re.compile(
+    r"^\.(?P<name>.+)\.(?P<host>[^.]+)\.(?P<pid>\d+)\.(?P<token>[0-9a-f]{8})" + re.escape(TEMP_SUFFIX) + "$"
+)
+#: Longest file name most POSIX file systems accept.
+_MAX_NAME_BYTES = 255
 #: A temporary file of another host is only removed once untouched this long: its writer may be alive.
 FOREIGN_TEMP_AGE_S = 3600.0
 
@@ -95,8 +100,10 @@ class LocalWriter(StorageWriter):
             raise IsADirectoryError(f"{path} is a directory; a checkpoint file path was expected")
         directory = os.path.dirname(path) or "."
         os.makedirs(directory, exist_ok=True)
-        name = os.path.basename(path)
-        temp_path = os.path.join(directory, f".{name}.{_host_tag()}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TEMP_SUFFIX}")
+        suffix = f".{_host_tag()}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TEMP_SUFFIX}"
+        # Shorten the name part if needed: a valid checkpoint name must not make the temporary name too long.
+        name = os.path.basename(path)[: max(1, _MAX_NAME_BYTES - 1 - len(suffix))]
+        temp_path = os.path.join(directory, f".{name}{suffix}")
         fd = os.open(temp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         return LocalWriteSession(path, temp_path, fd)
 
@@ -108,8 +115,6 @@ class LocalWriter(StorageWriter):
         """Delete ``path`` (a file, or a directory tree as sharded strategies write); missing is fine."""
         path = local_path(path)
         if os.path.isdir(path) and not os.path.islink(path):
-            import shutil
-
             shutil.rmtree(path, ignore_errors=True)
             return
         try:
