@@ -6,7 +6,7 @@ import os
 import re
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Union
+from typing import Any, Union
 
 from lightning_datastates.errors import ConfigError
 
@@ -69,6 +69,7 @@ class DataStatesConfig:
     writer_threads: int
     chunk_bytes: int
     eager_copy_bytes: int
+    storage_options: dict[str, Any] | None = None
 
     @classmethod
     def from_user(
@@ -77,6 +78,7 @@ class DataStatesConfig:
         writer_threads: int,
         chunk_size: Size,
         eager_copy_size: Size,
+        storage_options: dict[str, Any] | None = None,
     ) -> DataStatesConfig:
         """Validate user-facing arguments (as given to the constructor or in yaml)."""
         host_cache_bytes = None if host_cache is None else parse_size(host_cache, "host_cache")
@@ -86,7 +88,9 @@ class DataStatesConfig:
         if host_cache_bytes is not None and host_cache_bytes < 1024**2:
             raise ConfigError(f"host_cache={host_cache!r} is below 1MiB; give at least '64MiB', or None for automatic")
         eager_copy_bytes = parse_size(eager_copy_size, "eager_copy_size")
-        return cls(host_cache_bytes, writer_threads, chunk_bytes, eager_copy_bytes)
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise ConfigError(f"storage_options must be a dict of fsspec options, got {type(storage_options).__name__}")
+        return cls(host_cache_bytes, writer_threads, chunk_bytes, eager_copy_bytes, storage_options)
 
     def arena_bytes_for(self, payload_bytes: int) -> int:
         """Arena size: the user's ``host_cache``, or one checkpoint's payload capped at half the free memory."""

@@ -10,18 +10,19 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from typing import TYPE_CHECKING, Any
 
-from lightning.fabric.utilities.cloud_io import _load as pl_load
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
 
 from lightning_datastates.config import DataStatesConfig, Size
 from lightning_datastates.errors import CheckpointFlushError
+from lightning_datastates.reader import load_checkpoint
 from lightning_datastates.snapshot.engine import LazyPredicate, SnapshotEngine
 from lightning_datastates.snapshot.job import SnapshotStats
-from lightning_datastates.storage import writer_for
+from lightning_datastates.storage import StorageWriter, writer_for
 
 if TYPE_CHECKING:
     from lightning_datastates.callback import DataStatesCallback
@@ -46,6 +47,8 @@ class DataStatesIO(CheckpointIO):
             arena is used).
         eager_copy_size: tensors of at most this size are copied inside ``save_checkpoint`` (default ``"64KiB"``):
             cheaper than scheduling them, and safe for small state that changes anywhere.
+        storage_options: options for the fsspec file system of non-local paths (``s3://``, ``memory://``, ...),
+            e.g. ``{"key": ..., "secret": ..., "endpoint_url": ...}``; used for saving, loading and removing.
     """
 
     def __init__(
@@ -54,9 +57,12 @@ class DataStatesIO(CheckpointIO):
         writer_threads: int = 4,
         chunk_size: Size = "64MiB",
         eager_copy_size: Size = "64KiB",
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        self.config = DataStatesConfig.from_user(host_cache, writer_threads, chunk_size, eager_copy_size)
+        self.config = DataStatesConfig.from_user(
+            host_cache, writer_threads, chunk_size, eager_copy_size, storage_options
+        )
         self._engine: SnapshotEngine | None = None
         self._owner: DataStatesCallback | None = None
         self._cleaned_directories: set[str] = set()
@@ -77,7 +83,7 @@ class DataStatesIO(CheckpointIO):
         started = time.perf_counter()
         self.raise_pending_failure()
         path = _path_str(path)
-        writer = writer_for(path)
+        writer = self._writer(path)
         directory = os.path.dirname(path) or "."
         if directory not in self._cleaned_directories:
             self.clean_stale(directory)
@@ -100,16 +106,14 @@ class DataStatesIO(CheckpointIO):
         if self._engine is not None:
             self._engine.wait_path(path)
             self.raise_pending_failure(path)
-        if not writer_for(path).exists(path):
-            raise FileNotFoundError(f"Checkpoint file not found: {path}")
-        return pl_load(path, map_location=map_location, weights_only=weights_only)
+        return load_checkpoint(self._writer(path), path, map_location=map_location, weights_only=weights_only)
 
     def remove_checkpoint(self, path: _PATH) -> None:
         """Drop a pending write of ``path`` (or let a commit in progress end), then delete the file."""
         path = _path_str(path)
         if self._engine is not None:
             self._engine.cancel_path(path)
-        writer_for(path).remove(path)
+        self._writer(path).remove(path)
 
     def teardown(self) -> None:
         """Finish every pending write and stop the threads (they restart if the plugin is used again).
@@ -160,7 +164,7 @@ class DataStatesIO(CheckpointIO):
     def clean_stale(self, directory: str) -> list[str]:
         """Remove temporary files that crashed runs left in ``directory`` (done once per directory)."""
         self._cleaned_directories.add(directory)
-        removed = writer_for(directory).clean_stale(directory)
+        removed = self._writer(directory).clean_stale(directory)
         if removed:
             log.info("lightning_datastates: removed %d stale temporary file(s) in %s", len(removed), directory)
         return removed
@@ -177,6 +181,9 @@ class DataStatesIO(CheckpointIO):
         if self._owner is owner:
             self._owner = None
 
+    def _writer(self, path: str) -> StorageWriter:
+        return writer_for(path, self.config.storage_options)
+
     def _lazy_predicate(self) -> LazyPredicate | None:
         # Without a callback guaranteeing barriers, every tensor is copied before save_checkpoint returns.
         return None if self._owner is None else self._owner.lazy_predicate()
@@ -189,5 +196,10 @@ class DataStatesIO(CheckpointIO):
 
 
 def _path_str(path: _PATH) -> str:
-    return os.fspath(path) if not isinstance(path, str) else path
+    text = os.fspath(path)
+    # pathlib collapses "s3://bucket/key" into "s3:/bucket/key" (FSDP and ModelParallel pass Paths): restore it.
+    return _COLLAPSED_URL.sub(r"\1://", text) if not isinstance(path, str) else text
+
+
+_COLLAPSED_URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]+):/(?!/)")
 

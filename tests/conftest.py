@@ -176,5 +176,5 @@ class GatedWriter(LocalWriter):
 def gated_writer(monkeypatch: pytest.MonkeyPatch) -> GatedWriter:
     """Route the plugin's local writes through a :class:`GatedWriter` (faults at a precise point)."""
     writer = GatedWriter()
-    monkeypatch.setattr("lightning_datastates.plugin.writer_for", lambda path: writer)
+    monkeypatch.setattr("lightning_datastates.plugin.writer_for", lambda path, storage_options=None: writer)
     return writer

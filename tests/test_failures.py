@@ -72,8 +72,14 @@ def test_directory_as_path_is_a_clear_error(tmp_path):
 
 
 def test_unknown_protocol_is_a_clear_error(tmp_path):
-    with pytest.raises(NotImplementedError, match="only local paths"):
-        DataStatesIO().save_checkpoint(_small(1), "memory://bucket/x.ckpt")
+    with pytest.raises(ValueError, match="no usable fsspec file system for 'nosuchproto'"):
+        DataStatesIO().save_checkpoint(_small(1), "nosuchproto://bucket/x.ckpt")
+
+
+def test_misspelt_storage_option_is_a_clear_error(tmp_path):
+    pytest.importorskip("s3fs")
+    with pytest.raises(ValueError, match="'endpoint'.*did you mean 'endpoint_url'.*storage_options"):
+        DataStatesIO(storage_options={"endpoint": "http://127.0.0.1:1"}).save_checkpoint(_small(1), "s3://b/x.ckpt")
 
 
 class _ExceptionSpy(Callback):
@@ -86,7 +92,7 @@ class _ExceptionSpy(Callback):
 
 def test_background_failure_in_fit_raises_once_and_teardown_runs(tmp_path, monkeypatch):
     writer = GatedWriter(fail_on_write=5)
-    monkeypatch.setattr("lightning_datastates.plugin.writer_for", lambda path: writer)
+    monkeypatch.setattr("lightning_datastates.plugin.writer_for", lambda path, storage_options=None: writer)
     spy = _ExceptionSpy()
     plugin = DataStatesIO()
     trainer = make_trainer(
@@ -107,7 +113,7 @@ def test_background_failure_in_fit_raises_once_and_teardown_runs(tmp_path, monke
 
 def test_exception_in_training_step_drains_pending_writes(tmp_path, monkeypatch):
     writer = GatedWriter(delay_s=0.01)  # slow storage: writes are pending when the step raises
-    monkeypatch.setattr("lightning_datastates.plugin.writer_for", lambda path: writer)
+    monkeypatch.setattr("lightning_datastates.plugin.writer_for", lambda path, storage_options=None: writer)
     plugin = DataStatesIO(chunk_size="64KiB")
     trainer = make_trainer(str(tmp_path), plugin, callbacks=[every_step_checkpoint(str(tmp_path / "ckpt"))])
     with pytest.raises(RuntimeError, match="boom"):
@@ -137,7 +143,7 @@ _EXIT_SCRIPT = textwrap.dedent(
             return SlowSession(s.path, s.temp_path, s._fd)
 
     import lightning_datastates.plugin as plugin_module
-    plugin_module.writer_for = lambda path: SlowWriter()
+    plugin_module.writer_for = lambda path, storage_options=None: SlowWriter()
     plugin = DataStatesIO(chunk_size="1MiB")
     plugin.save_checkpoint({"w": torch.arange(4 * 2**20, dtype=torch.float32)}, sys.argv[1])
     print("pending at exit:", plugin.is_pending(sys.argv[1]), flush=True)

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import tempfile
+
 import pytest
 
 import lightning_datastates
@@ -57,7 +59,31 @@ def _local_harness(tmp_path: Path) -> Harness:
     return Harness(LocalWriter(), lambda name: str(root / name), read, put, leftovers)
 
 
-HARNESSES = {"local": _local_harness}
+def _memory_harness(tmp_path: Path) -> Harness:
+    """fsspec's in-memory file system through the generic writer (a stand-in for gcs://, az://, ...)."""
+    import fsspec
+
+    from lightning_datastates.storage import GenericWriter
+
+    fs = fsspec.filesystem("memory")
+    root = f"/{tmp_path.name}"
+    fs.makedirs(root, exist_ok=True)
+
+    def read(path: str) -> bytes | None:
+        stripped = fs._strip_protocol(path)
+        return fs.cat_file(stripped) if fs.isfile(stripped) else None
+
+    def put(path: str, data: bytes) -> None:
+        fs.pipe_file(fs._strip_protocol(path), data)
+
+    def leftovers() -> list:
+        spools = [p for p in os.listdir(tempfile.gettempdir()) if p.startswith("datastates-spool-")]
+        return sorted(p for p in fs.find(root) if p.endswith(TEMP_SUFFIX)) + spools
+
+    return Harness(GenericWriter("memory"), lambda name: f"memory://{root}/{name}", read, put, leftovers)
+
+
+HARNESSES = {"local": _local_harness, "memory": _memory_harness}
 
 
 @pytest.fixture(params=list(HARNESSES))

@@ -2,21 +2,30 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from lightning_datastates.storage.base import StorageWriter, WriteSession
+from lightning_datastates.storage.generic import GenericWriter, protocol_of
 from lightning_datastates.storage.local import LocalWriter, is_local_path, local_path
 
-__all__ = ["LocalWriter", "StorageWriter", "WriteSession", "is_local_path", "local_path", "writer_for"]
+__all__ = ["GenericWriter", "LocalWriter", "StorageWriter", "WriteSession", "is_local_path", "local_path", "writer_for"]
 
 
-def writer_for(path: str) -> StorageWriter:
-    """The storage writer for ``path``'s protocol.
+def writer_for(path: str, storage_options: dict[str, Any] | None = None) -> StorageWriter:
+    """The storage writer for ``path``'s protocol: POSIX for local paths, fsspec for any other protocol.
 
     Raises:
-        NotImplementedError: the protocol has no writer yet (only local paths and ``file://`` for now).
+        ValueError: the protocol is unknown to fsspec (the message names the package to install).
     """
     if is_local_path(path):
         return LocalWriter()
-    raise NotImplementedError(
-        f"lightning_datastates cannot write {path!r} yet: only local paths (and file://) are supported. "
-        "Use a local or mounted directory (Lustre, NFS), or Lightning's TorchCheckpointIO for this target."
-    )
+    protocol = protocol_of(path)
+    assert protocol is not None
+    try:
+        return GenericWriter(protocol, storage_options)
+    except (ImportError, ValueError, TypeError) as exc:  # TypeError: a misspelt storage_options key
+        raise ValueError(
+            f"cannot write checkpoints to {path!r}: no usable fsspec file system for {protocol!r}:// ({exc}). "
+            "Install its fsspec package (s3fs, gcsfs, adlfs, ...), fix the URL, or check the keys of "
+            "DataStatesIO(storage_options=...)."
+        ) from exc

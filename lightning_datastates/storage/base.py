@@ -13,6 +13,7 @@ The commit lives in ``complete``: a backend must never publish a partially writt
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import BinaryIO
 
 
 class WriteSession(ABC):
@@ -47,6 +48,10 @@ class StorageWriter(ABC):
     @abstractmethod
     def remove(self, path: str) -> None:
         """Remove the committed file at ``path``; a missing file is not an error."""
+
+    @abstractmethod
+    def open_read(self, path: str) -> BinaryIO:
+        """A binary file object reading the committed file at ``path``."""
 
     @abstractmethod
     def clean_stale(self, directory: str) -> list[str]:

@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 import uuid
+from typing import BinaryIO
 
 from lightning_datastates.storage.base import StorageWriter, WriteSession
 
@@ -59,11 +60,7 @@ class LocalWriteSession(WriteSession):
         fd = self._fd
         if fd is None:
             raise RuntimeError(f"write to {self.path} after its session ended")
-        view = memoryview(data).cast("B")
-        while view.nbytes:
-            written = os.pwrite(fd, view, offset)
-            view = view[written:]
-            offset += written
+        write_all(fd, data, offset)
 
     def complete(self) -> None:
         """fsync the file, rename it onto the final name, fsync the directory."""
@@ -111,6 +108,10 @@ class LocalWriter(StorageWriter):
         """Whether ``path`` exists."""
         return os.path.exists(local_path(path))
 
+    def open_read(self, path: str) -> BinaryIO:
+        """Open ``path`` for reading."""
+        return open(local_path(path), "rb")
+
     def remove(self, path: str) -> None:
         """Delete ``path`` (a file, or a directory tree as sharded strategies write); missing is fine."""
         path = local_path(path)
@@ -150,6 +151,15 @@ class LocalWriter(StorageWriter):
                 except FileNotFoundError:
                     pass
         return removed
+
+
+def write_all(fd: int, data: memoryview, offset: int) -> None:
+    """``os.pwrite`` all of ``data`` at ``offset``, retrying short writes."""
+    view = memoryview(data).cast("B")
+    while view.nbytes:
+        written = os.pwrite(fd, view, offset)
+        view = view[written:]
+        offset += written
 
 
 def _pid_alive(pid: int) -> bool:

@@ -1,0 +1,187 @@
+"""Writer for any other fsspec protocol (memory://, gcs://, az://, hdfs://, ...).
+
+Ranges arrive out of order from several threads, which most remote file systems cannot take, so they are
+spooled into a local temporary file with ``os.pwrite``. The commit uploads the spool under a hidden temporary
+name beside the target and moves it onto the final name: object stores copy server-side (the final object
+appears whole or not at all), file-system-like backends rename. Nothing partial is ever visible under the final
+name, and an earlier checkpoint there stays intact until the move.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import os
+import posixpath
+import tempfile
+import threading
+import time
+import uuid
+from typing import Any, BinaryIO
+
+import fsspec
+from fsspec.core import split_protocol
+
+from lightning_datastates.storage.base import StorageWriter, WriteSession
+from lightning_datastates.storage.local import FOREIGN_TEMP_AGE_S, TEMP_SUFFIX, write_all
+
+
+class GenericWriteSession(WriteSession):
+    """One checkpoint spooled locally, published by upload + move at ``complete``."""
+
+    def __init__(self, fs: Any, path: str, remote_path: str) -> None:
+        self.path = path
+        self._fs = fs
+        self._remote_path = remote_path
+        directory, name = posixpath.split(remote_path)
+        self._remote_temp = posixpath.join(directory, f".{name}.{uuid.uuid4().hex[:8]}{TEMP_SUFFIX}")
+        fd, self._spool_path = tempfile.mkstemp(prefix="datastates-spool-")
+        self._fd: int | None = fd
+        self._lock = threading.Lock()
+
+    def write_range(self, offset: int, data: memoryview) -> None:
+        """Spool ``data`` at ``offset`` (thread-safe positional write)."""
+        fd = self._fd
+        if fd is None:
+            raise RuntimeError(f"write to {self.path} after its session ended")
+        write_all(fd, data, offset)
+
+    def complete(self) -> None:
+        """Upload the spool under a temporary name, then move it onto the final name."""
+        with self._lock:
+            self._close_spool()
+            try:
+                parent = posixpath.dirname(self._remote_path)
+                if parent:
+                    self._fs.makedirs(parent, exist_ok=True)
+                self._fs.put_file(self._spool_path, self._remote_temp)
+                self._fs.mv(self._remote_temp, self._remote_path)
+            except BaseException:
+                self._remove_remote_temp()
+                raise
+            finally:
+                _unlink_quietly(self._spool_path)
+
+    def abort(self) -> None:
+        """Drop the spool and any uploaded temporary object."""
+        with self._lock:
+            self._close_spool()
+            _unlink_quietly(self._spool_path)
+            self._remove_remote_temp()
+
+    def _close_spool(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def _remove_remote_temp(self) -> None:
+        try:
+            if self._fs.exists(self._remote_temp):
+                self._fs.rm(self._remote_temp)
+        except Exception:  # noqa: BLE001 - best effort; clean_stale removes it later
+            pass
+
+
+class GenericWriter(StorageWriter):
+    """Writes checkpoints through any fsspec file system; see the module docstring.
+
+    Args:
+        protocol: the fsspec protocol (``"memory"``, ``"gcs"``, ...).
+        storage_options: keyword arguments for ``fsspec.filesystem(protocol, ...)``.
+    """
+
+    def __init__(self, protocol: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.protocol = protocol
+        check_storage_options(protocol, storage_options or {})
+        self.fs = fsspec.filesystem(protocol, **(storage_options or {}))
+
+    def _strip(self, path: str) -> str:
+        return self.fs._strip_protocol(path)
+
+    def begin(self, path: str, total_bytes: int) -> GenericWriteSession:
+        """Start spooling a checkpoint for ``path``."""
+        remote = self._strip(path)
+        if self.fs.isdir(remote):
+            raise IsADirectoryError(f"{path} is a directory; a checkpoint file path was expected")
+        return GenericWriteSession(self.fs, path, remote)
+
+    def exists(self, path: str) -> bool:
+        """Whether ``path`` exists."""
+        return bool(self.fs.exists(self._strip(path)))
+
+    def open_read(self, path: str) -> BinaryIO:
+        """Open ``path`` for reading through fsspec."""
+        return self.fs.open(self._strip(path), "rb")
+
+    def remove(self, path: str) -> None:
+        """Remove ``path`` (recursively for directories); missing is fine."""
+        remote = self._strip(path)
+        if self.fs.exists(remote):
+            self.fs.rm(remote, recursive=True)
+
+    def clean_stale(self, directory: str) -> list[str]:
+        """Remove temporary objects older than an hour (their writer cannot be asked whether it is alive)."""
+        remote = self._strip(directory)
+        try:
+            entries = self.fs.ls(remote, detail=True)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        removed = []
+        now = time.time()
+        for entry in entries:
+            name = entry["name"]
+            if not posixpath.basename(name).endswith(TEMP_SUFFIX):
+                continue
+            modified = _modified_time(entry)
+            if modified is None or now - modified > FOREIGN_TEMP_AGE_S:
+                self.fs.rm(name)
+                removed.append(name)
+        return removed
+
+
+def check_storage_options(protocol: str, options: dict[str, Any]) -> None:
+    """Reject option names the protocol's file system does not declare (fsspec would ignore them silently).
+
+    Raises:
+        ValueError: naming the unknown key, the closest accepted one, and ``storage_options``.
+    """
+    cls = fsspec.get_filesystem_class(protocol)
+    accepted: set[str] = set()
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        for name, parameter in inspect.signature(init).parameters.items():
+            if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY) and name != "self":
+                accepted.add(name)
+    if not accepted - {"args", "kwargs", "storage_options"}:
+        return  # the file system declares nothing: it takes any option
+    for key in options:
+        if key not in accepted:
+            close = difflib.get_close_matches(key, sorted(accepted), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(
+                f"storage_options key {key!r} is not an option of {cls.__name__} for {protocol}://{hint}; "
+                f"fix DataStatesIO(storage_options=...)"
+            )
+
+
+def protocol_of(path: str) -> str | None:
+    """The fsspec protocol of ``path`` (None for a plain local path)."""
+    return split_protocol(path)[0]
+
+
+def _modified_time(entry: dict[str, Any]) -> float | None:
+    for key in ("mtime", "created", "LastModified", "last_modified"):
+        value = entry.get(key)
+        if value is None:
+            continue
+        return value.timestamp() if hasattr(value, "timestamp") else float(value)
+    return None
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
