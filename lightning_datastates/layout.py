@@ -20,16 +20,11 @@ from __future__ import annotations
 import bisect
 import io
 import pickle
+import types
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from lightning_datastates.errors import CheckpointCaptureError
-
-#: Pickle protocol ``torch.save`` uses by default; the storage-listing pass must traverse identically.
-_TORCH_PICKLE_PROTOCOL = torch.serialization.DEFAULT_PROTOCOL
-
 
 class LayoutUnsupported(Exception):
     """The out-of-order layout cannot be trusted for this checkpoint; write it with a plain ``torch.save``."""
@@ -66,69 +61,57 @@ class CheckpointLayout:
         return sum(r.nbytes for r in self.records)
 
 
-def list_storages(checkpoint: Any) -> list[torch.UntypedStorage]:
-    """Return the distinct storages of ``checkpoint`` in the order ``torch.save`` numbers them.
+def plan_layout(checkpoint: Any) -> tuple[CheckpointLayout, list[torch.UntypedStorage]]:
+    """Plan the file layout of ``torch.save(checkpoint)``; return it with the storages, indexed by record key.
 
-    Runs a pickling pass identical to ``torch.save``'s (same pickler, same protocol, storages intercepted as
-    persistent ids), so the i-th storage returned is the one torch writes as ``data/i``. Any object that cannot
-    be pickled fails here, before anything is written.
-
-    Raises:
-        CheckpointCaptureError: the checkpoint holds an object that cannot be pickled.
-    """
-    storages: list[torch.UntypedStorage] = []
-    seen: dict[int, int] = {}
-
-    class _StorageLister(pickle.Pickler):
-        def persistent_id(self, obj: Any) -> Any:
-            if isinstance(obj, torch.storage.TypedStorage):
-                storage = obj._untyped_storage
-            elif torch.is_storage(obj):
-                storage = obj
-            else:
-                return None
-            key = seen.get(storage._cdata)
-            if key is None:
-                key = seen[storage._cdata] = len(storages)
-                storages.append(storage)
-            return key
-
-    try:
-        # Not under skip_data: where skip_data changes Tensor.__reduce_ex__ (quantized tensors, storage-less
-        # backends) plan_layout's torch.save raises and the caller falls back to a plain torch.save.
-        _StorageLister(_NullSink(), protocol=_TORCH_PICKLE_PROTOCOL).dump(checkpoint)
-    except Exception as exc:  # pickling raises many types: PicklingError, TypeError, AttributeError...
-        raise CheckpointCaptureError(
-            f"the checkpoint cannot be pickled: {exc!r}. Every value in the checkpoint dict (hyperparameters, "
-            "callback state, datamodule state) must be picklable; remove or replace the offending object "
-            "(lambdas, open files, locks, generators are common culprits)."
-        ) from exc
-    return storages
-
-
-def plan_layout(checkpoint: Any, storages: list[torch.UntypedStorage]) -> CheckpointLayout:
-    """Plan the file layout of ``torch.save(checkpoint)`` with ``storages`` from :func:`list_storages`.
+    One pickling pass: torch's own ``persistent_id`` names each storage's record key, and a pickler base class
+    (:func:`_recording_pickle_module`) writes down which storage got which key, so the mapping is torch's, not a
+    guess. Pickling errors propagate as they are (the caller decides what they mean).
 
     Raises:
-        LayoutUnsupported: torch refused ``skip_data`` for this checkpoint, or the plan failed its self-check.
+        LayoutUnsupported: torch refused ``skip_data`` for this checkpoint (quantized tensors, storage-less
+            backends), or the plan failed its self-check.
     """
     sink = _LayoutSink()
-    try:
-        with torch.serialization.skip_data():
-            torch.save(checkpoint, sink)
-    except Exception as exc:  # e.g. quantized tensors or storage-less backends are refused under skip_data
-        raise LayoutUnsupported(f"torch.save under skip_data failed: {exc!r}") from exc
+    storages_by_key: dict[int, torch.UntypedStorage] = {}
+    with torch.serialization.skip_data():
+        torch.save(checkpoint, sink, pickle_module=_recording_pickle_module(storages_by_key))
+    storages = [storages_by_key[key] for key in range(len(storages_by_key))]
     layout = CheckpointLayout(
         metadata=tuple(sink.segments),
         records=_match_records(sink.holes, storages),
         total_bytes=sink.size,
     )
     _check_layout(layout)
-    return layout
+    return layout, storages
+
+
+def _recording_pickle_module(storages_by_key: dict[int, torch.UntypedStorage]) -> Any:
+    """A ``pickle_module`` for ``torch.save`` whose pickler records torch's storage keys.
+
+    ``torch.save`` subclasses ``pickle_module.Pickler`` and defines ``persistent_id`` on the subclass;
+    ``__init_subclass__`` wraps that method so each storage torch names is recorded under its key.
+    """
+
+    class RecordingPickler(pickle.Pickler):
+        def __init_subclass__(cls, **kwargs: Any) -> None:
+            super().__init_subclass__(**kwargs)
+            torch_persistent_id = cls.persistent_id
+
+            def persistent_id(self: Any, obj: Any) -> Any:
+                result = torch_persistent_id(self, obj)
+                if isinstance(result, tuple) and result and result[0] == "storage":
+                    storage = obj._untyped_storage if isinstance(obj, torch.storage.TypedStorage) else obj
+                    storages_by_key.setdefault(int(result[2]), storage)
+                return result
+
+            cls.persistent_id = persistent_id  # type: ignore[method-assign]
+
+    return types.SimpleNamespace(__name__="pickle", Pickler=RecordingPickler, dump=pickle.dump)
 
 
 def _match_records(holes: list[tuple[int, int]], storages: list[torch.UntypedStorage]) -> tuple[StorageRecord, ...]:
-    """Pair torch's holes (one per non-empty storage, in key order) with the listed storages."""
+    """Pair torch's holes (one per non-empty storage, in key order) with the recorded storages."""
     nonempty = [k for k, s in enumerate(storages) if s.nbytes() > 0]
     if len(nonempty) != len(holes):
         raise LayoutUnsupported(f"{len(holes)} holes for {len(nonempty)} non-empty storages")
@@ -157,13 +140,6 @@ def _check_layout(layout: CheckpointLayout) -> None:
         raise
     except Exception as exc:
         raise LayoutUnsupported(f"the planned archive does not parse: {exc!r}") from exc
-
-
-class _NullSink:
-    """A write-only file that discards everything (the storage-listing pass needs no output)."""
-
-    def write(self, data: Any) -> int:
-        return len(memoryview(data))
 
 
 class _LayoutSink:

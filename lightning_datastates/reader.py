@@ -1,17 +1,21 @@
 """Load checkpoints written by :class:`~lightning_datastates.DataStatesIO` (or by anything else torch can read).
 
-Local files go straight to ``torch.load`` by path (torch reads them with its own C++ reader); other protocols
-are read through their storage writer's file system, with the plugin's ``storage_options``.
+Local files go straight to ``torch.load`` by path (torch reads them with its own C++ reader); S3 objects are
+fetched whole with concurrent ranged GETs and read by torch from that buffer in place; other protocols are read
+through their storage writer's file system, with the plugin's ``storage_options``.
 """
 
 from __future__ import annotations
 
+import io
+import os
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.cloud_io import _load as pl_load
 
 from lightning_datastates.storage import LocalWriter, StorageWriter, local_path
+from lightning_datastates.storage.s3 import S3Writer
 
 
 def load_checkpoint(writer: StorageWriter, path: str, map_location: Any = None, weights_only: bool | None = None) -> Any:
@@ -24,5 +28,47 @@ def load_checkpoint(writer: StorageWriter, path: str, map_location: Any = None, 
         raise FileNotFoundError(f"Checkpoint file not found: {path}")
     if isinstance(writer, LocalWriter):
         return pl_load(local_path(path), map_location=map_location, weights_only=weights_only)
+    if isinstance(writer, S3Writer):
+        # torch reads storages with readinto straight from the buffer: no second full copy (BytesIO would make one).
+        stream = BufferReader(writer.read_bytes(path))
+        return torch.load(stream, map_location=map_location, weights_only=weights_only)
     with writer.open_read(path) as stream:
         return torch.load(stream, map_location=map_location, weights_only=weights_only)
+
+
+class BufferReader(io.RawIOBase):
+    """A seekable binary reader over a ``bytearray`` without copying it (``io.BytesIO`` copies a bytearray)."""
+
+    def __init__(self, buffer: bytearray) -> None:
+        super().__init__()
+        self._view = memoryview(buffer)
+        self._position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, target: Any) -> int:
+        """Copy up to ``len(target)`` bytes from the current position into ``target``."""
+        out = memoryview(target).cast("B")
+        count = max(0, min(out.nbytes, self._view.nbytes - self._position))
+        out[:count] = self._view[self._position : self._position + count]
+        self._position += count
+        return count
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        """Move to ``offset`` from the start, the current position or the end (``whence`` as ``io``)."""
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._position, os.SEEK_END: self._view.nbytes}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset}")
+        self._position = base + offset
+        return self._position
+
+    def tell(self) -> int:
+        return self._position
+
+    def close(self) -> None:
+        self._view.release()
+        super().close()

@@ -26,7 +26,7 @@ import torch
 
 from lightning_datastates.config import DataStatesConfig
 from lightning_datastates.errors import CheckpointCaptureError
-from lightning_datastates.layout import CheckpointLayout, LayoutUnsupported, list_storages, plan_layout
+from lightning_datastates.layout import CheckpointLayout, plan_layout
 from lightning_datastates.snapshot.arena import HostArena
 from lightning_datastates.snapshot.chunks import Chunk, plan_chunks
 from lightning_datastates.snapshot.copier import CopierSet
@@ -82,8 +82,7 @@ class SnapshotEngine:
             OSError: the write could not be started (bad path, permissions).
         """
         started_at = time.perf_counter()
-        storages = list_storages(checkpoint)
-        layout = self._plan(checkpoint, storages)
+        layout, storages = self._plan(checkpoint)
         self.wait_copies()  # one snapshot copies at a time: the arena is not split between them
         arena = self._ensure_arena(layout.payload_bytes)
         chunk_bytes = max(4096, min(self.config.chunk_bytes, arena.size_bytes // 4))
@@ -196,24 +195,29 @@ class SnapshotEngine:
             self._closing = False
 
     # ------------------------------------------------------------------ capture helpers
-    def _plan(self, checkpoint: dict[str, Any], storages: list[torch.UntypedStorage]) -> CheckpointLayout:
+    def _plan(self, checkpoint: dict[str, Any]) -> tuple[CheckpointLayout, list[torch.UntypedStorage]]:
+        """The out-of-order layout; failing that, the checkpoint serialized by a plain ``torch.save`` now."""
         try:
-            return plan_layout(checkpoint, storages)
-        except LayoutUnsupported as reason:
-            if not self._warned_fallback:
-                log.warning(
-                    "lightning_datastates: cannot plan an out-of-order layout (%s); this checkpoint is serialized "
-                    "with a plain torch.save into host memory during the save call instead (slower, still correct).",
-                    reason,
-                )
-                self._warned_fallback = True
+            return plan_layout(checkpoint)
+        except Exception as reason:  # LayoutUnsupported, skip_data refused, or an object that cannot be pickled
             buffer = io.BytesIO()
             try:
                 torch.save(checkpoint, buffer)
             except Exception as exc:
-                raise CheckpointCaptureError(f"torch.save cannot serialize this checkpoint: {exc}") from exc
+                raise CheckpointCaptureError(
+                    f"the checkpoint cannot be pickled: {exc!r}. Every value in the checkpoint dict "
+                    "(hyperparameters, callback and datamodule state) must be picklable: remove or replace the "
+                    "offending object (lambdas, open files, locks and generators are common culprits)."
+                ) from exc
+            if not self._warned_fallback:
+                log.warning(
+                    "lightning_datastates: cannot plan an out-of-order layout (%r); this checkpoint is serialized "
+                    "with a plain torch.save into host memory during the save call instead (slower, still correct).",
+                    reason,
+                )
+                self._warned_fallback = True
             data = buffer.getvalue()
-            return CheckpointLayout(metadata=((0, data),), records=(), total_bytes=len(data))
+            return CheckpointLayout(metadata=((0, data),), records=(), total_bytes=len(data)), []
 
     def _ensure_arena(self, payload_bytes: int) -> HostArena:
         if self.arena is None:

@@ -12,15 +12,26 @@ __all__ = ["GenericWriter", "LocalWriter", "StorageWriter", "WriteSession", "is_
 
 
 def writer_for(path: str, storage_options: dict[str, Any] | None = None) -> StorageWriter:
-    """The storage writer for ``path``'s protocol: POSIX for local paths, fsspec for any other protocol.
+    """The storage writer for ``path``'s protocol: POSIX for local paths, our multipart driver for ``s3://`` and
+    ``s3a://`` (``storage_options`` may also hold its settings, see :data:`~lightning_datastates.storage.s3.TUNABLES`),
+    fsspec for any other protocol.
 
     Raises:
-        ValueError: the protocol is unknown to fsspec (the message names the package to install).
+        ValueError: the protocol is unknown to fsspec, or s3fs is missing (the message names the package to install).
     """
     if is_local_path(path):
         return LocalWriter()
     protocol = protocol_of(path)
     assert protocol is not None
+    if protocol in ("s3", "s3a"):
+        from lightning_datastates.storage.s3 import S3Writer  # imports s3fs only when a writer is built
+
+        try:
+            return S3Writer.from_storage_options(storage_options)
+        except ImportError as exc:
+            raise ValueError(
+                f"cannot write checkpoints to {path!r}: s3fs is not installed; pip install lightning-datastates[s3]"
+            ) from exc
     try:
         return GenericWriter(protocol, storage_options)
     except (ImportError, ValueError, TypeError) as exc:  # TypeError: a misspelt storage_options key

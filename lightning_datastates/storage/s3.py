@@ -1,0 +1,770 @@
+"""S3 writer: our own multipart driver on s3fs's async client.
+
+Commit protocol: ``begin`` creates a multipart upload; the file is cut into parts of fixed byte ranges
+``[i*P, (i+1)*P)``; ``write_range`` (any order, several threads) copies the bytes it gets into per-part pieces and,
+the moment a part has all its bytes, schedules its ``upload_part`` on s3fs's event loop, at most
+``max_concurrent_parts`` at a time; ``complete`` waits for every part and sends ``CompleteMultipartUpload`` with
+the ETags in part order. S3 shows nothing under the key before that call and the whole object after it, so it is
+the commit. ``abort`` (and any failure) sends ``AbortMultipartUpload``: an open upload is invisible but billed.
+A file of at most one part (an empty one too) is sent as one ``PutObject`` at ``complete`` instead.
+
+Why not s3fs's own writer (see DESIGN.md, storage facts): ``with fs.open(p, "wb")`` commits what was written
+when the block raises, and so does a garbage-collected file; its parts go one at a time; ``pipe_file`` wants
+``bytes`` and fixed 50 MiB parts. Retries and timeouts are ours: the file system used for data has s3fs's and
+botocore's retries turned off, so ``retries=1`` means one retry, not 1 x 5 x 5.
+
+Memory: a session holds only bytes received and not yet uploaded, plus the bodies of the parts being sent; a
+part's body is assembled when its last byte arrives. ``write_range`` waits (back-pressure) while more than
+``2 * max_concurrent_parts`` complete parts are queued for upload; it never waits for incomplete parts.
+
+s3fs is imported when an :class:`S3Writer` is built, so this module imports without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import difflib
+import inspect
+import logging
+import math
+import os
+import random
+import threading
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, BinaryIO
+
+import fsspec.asyn
+
+from lightning_datastates.config import Size, parse_size
+from lightning_datastates.errors import ConfigError
+from lightning_datastates.storage.base import StorageWriter, WriteSession
+from lightning_datastates.storage.local import FOREIGN_TEMP_AGE_S
+
+log = logging.getLogger("lightning_datastates")
+
+MiB = 1024**2
+#: S3's limits: parts of 5 MiB to 5 GiB (the last may be smaller), at most 10,000 parts, objects up to 5 TiB.
+MIN_PART_BYTES = 5 * MiB
+MAX_PART_BYTES = 5 * 1024**3
+MAX_PARTS = 10_000
+MAX_OBJECT_BYTES = 5 * 1024**4
+#: Open multipart uploads older than this are aborted by ``clean_stale`` (their writer cannot be asked).
+STALE_UPLOAD_AGE_S = FOREIGN_TEMP_AGE_S
+#: Settings of the writer itself, accepted in ``storage_options`` beside the s3fs options.
+TUNABLES = ("part_size_bytes", "max_concurrent_parts", "retries", "timeout_s")
+#: Keys the fsspec layer under s3fs takes (s3fs passes them on through ``**kwargs``); ``profile`` goes to the session.
+_FSSPEC_KEYS = {"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths", "profile"}
+#: s3fs options that would break the synchronous driver.
+_REJECTED_KEYS = {"asynchronous", "loop"}
+_BACKOFF_S = 0.2
+_MAX_BACKOFF_S = 10.0
+_RETRYABLE_CODES = {
+    "SlowDown",
+    "RequestTimeout",
+    "RequestTimeTooSkewed",
+    "InternalError",
+    "ServiceUnavailable",
+    "XAmzContentSHA256Mismatch",
+    "BadDigest",
+}
+
+#: Multipart uploads this process has open: ``clean_stale`` never aborts them, however old.
+_OPEN_UPLOADS: set[str] = set()
+_OPEN_UPLOADS_LOCK = threading.Lock()
+
+
+class S3WriteError(OSError):
+    """An S3 request for a checkpoint failed; the message names the ``s3://`` path, the cause is chained."""
+
+
+class S3NotFoundError(S3WriteError, FileNotFoundError):
+    """The bucket, the object or the upload does not exist."""
+
+
+# ---------------------------------------------------------------------------------------------------- part plan
+@dataclass(frozen=True)
+class PartPlan:
+    """How a file of ``total_bytes`` is cut into parts: part ``i`` holds bytes ``[i*part_bytes, (i+1)*part_bytes)``."""
+
+    total_bytes: int
+    part_bytes: int
+    count: int
+
+    @property
+    def multipart(self) -> bool:
+        """Whether the file goes up as a multipart upload (more than one part) rather than one ``PutObject``."""
+        return self.count > 1
+
+    def length(self, index: int) -> int:
+        """Bytes in part ``index`` (the last one may be shorter)."""
+        return min(self.part_bytes, self.total_bytes - index * self.part_bytes)
+
+
+def plan_parts(total_bytes: int, part_size_bytes: int) -> PartPlan:
+    """Cut ``total_bytes`` into parts of about ``part_size_bytes``, within S3's limits.
+
+    The part size is clamped to [5 MiB, 5 GiB] and grown (to whole MiB) when the file would need more than
+    10,000 parts.
+
+    Raises:
+        ValueError: the file is larger than S3's 5 TiB object limit, or ``total_bytes`` is negative.
+    """
+    if total_bytes < 0:
+        raise ValueError(f"total_bytes must be >= 0, got {total_bytes}")
+    if total_bytes > MAX_OBJECT_BYTES:
+        raise ValueError(f"a checkpoint of {total_bytes} bytes is larger than S3's 5 TiB object limit")
+    part = min(max(part_size_bytes, MIN_PART_BYTES), MAX_PART_BYTES)
+    if math.ceil(total_bytes / part) > MAX_PARTS:
+        part = math.ceil(math.ceil(total_bytes / MAX_PARTS) / MiB) * MiB
+    return PartPlan(total_bytes, part, max(1, math.ceil(total_bytes / part)))
+
+
+# ---------------------------------------------------------------------------------------------------- session
+_OPEN, _COMPLETING, _COMPLETED, _ABORTED = "open", "completing", "completed", "aborted"
+
+
+class S3WriteSession(WriteSession):
+    """One checkpoint going up to S3; see the module docstring.
+
+    Thread model: ``write_range`` from several writer threads at once; ``complete`` or ``abort`` from one thread
+    after the last ``write_range`` returned; part uploads run as tasks on s3fs's event loop.
+    """
+
+    def __init__(self, writer: S3Writer, path: str, bucket: str, key: str, plan: PartPlan, upload_id: str | None):
+        self.path = path
+        self.bucket = bucket
+        self.key = key
+        self.plan = plan
+        self.upload_id = upload_id
+        self._writer = writer
+        self._loop = writer.loop
+        self._cond = threading.Condition()
+        self._state = _OPEN
+        self._pieces: dict[int, list[tuple[int, bytes]]] = {}  # part -> (offset in part, bytes) received so far
+        self._received = [0] * plan.count
+        self._futures: dict[int, concurrent.futures.Future[str | None]] = {}
+        self._etags: dict[int, str] = {}
+        self._queued = 0  # parts scheduled for upload and not yet finished
+        self._error: BaseException | None = None  # first failed part
+        self._aborting = False  # read by part tasks on the event loop
+        self._tasks: set[asyncio.Task[Any]] = set()  # part tasks running on the loop (touched only there)
+        self._semaphore = asyncio.Semaphore(writer.max_concurrent_parts)  # binds to the loop at first use
+
+    # ------------------------------------------------------------------ writer threads
+    def write_range(self, offset: int, data: memoryview) -> None:
+        """Copy ``data`` into the pieces of the parts it covers; schedule every part it completes.
+
+        Raises:
+            S3WriteError: an earlier part upload failed (naming the path).
+            RuntimeError: the session already ended.
+            ValueError: the range lies outside the file or overlaps bytes already written.
+        """
+        view = memoryview(data).cast("B")
+        end = offset + view.nbytes
+        if offset < 0 or end > self.plan.total_bytes:
+            raise ValueError(f"{self.path}: range [{offset}, {end}) outside a file of {self.plan.total_bytes} bytes")
+        self._wait_for_room()
+        part_bytes = self.plan.part_bytes
+        position = offset
+        ready: list[tuple[int, list[tuple[int, bytes]]]] = []
+        while position < end:
+            index = position // part_bytes
+            stop = min(end, (index + 1) * part_bytes)
+            piece = bytes(view[position - offset : stop - offset])  # a copy: the caller reuses its buffer at once
+            with self._cond:
+                self._check_open()
+                self._pieces.setdefault(index, []).append((position - index * part_bytes, piece))
+                self._received[index] += len(piece)
+                length = self.plan.length(index)
+                if self._received[index] > length:
+                    raise ValueError(f"{self.path}: overlapping writes in part {index + 1}")
+                if self._received[index] == length and self.plan.multipart:
+                    ready.append((index, self._pieces.pop(index)))
+            position = stop
+        for index, pieces in ready:
+            self._schedule(index, _assemble(self.plan.length(index), pieces))
+
+    def _wait_for_room(self) -> None:
+        """Back-pressure: wait while too many complete parts are queued (those always finish, by timeouts)."""
+        with self._cond:
+            while self._queued > 2 * self._writer.max_concurrent_parts and self._error is None:
+                self._check_open()
+                self._cond.wait(1.0)
+            self._raise_part_error()
+            self._check_open()
+
+    def _schedule(self, index: int, body: bytes | bytearray) -> None:
+        with self._cond:
+            if self._state == _ABORTED:
+                return  # aborted meanwhile: the part would only be refused
+            self._queued += 1
+            future = asyncio.run_coroutine_threadsafe(self._upload_part(index, body), self._loop)
+            self._futures[index] = future
+        # Outside the lock: a future already done runs the callback right here, and the callback takes the lock.
+        future.add_done_callback(lambda done: self._part_done(index, done))
+
+    # ------------------------------------------------------------------ event loop
+    async def _upload_part(self, index: int, body: bytes | bytearray) -> str | None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            async with self._semaphore:  # the window of concurrent parts
+                if self._aborting:
+                    return None
+                number = index + 1
+                response = await self._writer._with_retries(
+                    f"uploading part {number}/{self.plan.count} of {self.path}",
+                    lambda: self._writer._call(
+                        "upload_part",
+                        Bucket=self.bucket,
+                        Key=self.key,
+                        UploadId=self.upload_id,
+                        PartNumber=number,
+                        Body=body,
+                    ),
+                )
+                return str(response["ETag"])
+        finally:
+            self._tasks.discard(task)
+
+    def _part_done(self, index: int, future: concurrent.futures.Future[str | None]) -> None:
+        with self._cond:
+            self._queued -= 1
+            if not future.cancelled():
+                error = future.exception()
+                if error is not None:
+                    if self._error is None and not self._aborting:
+                        self._error = error
+                elif future.result() is not None:
+                    self._etags[index] = future.result()  # type: ignore[assignment]
+            self._cond.notify_all()
+
+    async def _cancel_tasks(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+
+    # ------------------------------------------------------------------ commit / abort
+    def complete(self) -> None:
+        """Wait for every part, then ``CompleteMultipartUpload`` (or one ``PutObject`` for a small file).
+
+        Raises:
+            S3WriteError: a part or the commit failed; the upload is aborted and nothing became visible.
+            RuntimeError: the session already ended.
+        """
+        with self._cond:
+            if self._state != _OPEN:
+                raise RuntimeError(f"{self.path}: session already ended")
+            self._state = _COMPLETING
+            futures = list(self._futures.values())
+        try:
+            missing = self.plan.total_bytes - sum(self._received)
+            if missing:
+                raise S3WriteError(f"{self.path}: {missing} bytes were never written; not committing")
+            if not self.plan.multipart:
+                body = _assemble(self.plan.total_bytes, self._pieces.pop(0, []))
+                self._writer._run(
+                    f"uploading {self.path}",
+                    lambda: self._writer._call("put_object", Bucket=self.bucket, Key=self.key, Body=body),
+                )
+            else:
+                concurrent.futures.wait(futures)  # bounded: every attempt of every part has a timeout
+                with self._cond:
+                    self._raise_part_error()
+                    parts = [{"PartNumber": i + 1, "ETag": self._etags[i]} for i in range(self.plan.count)]
+                self._writer._run(
+                    f"committing {self.path}",
+                    lambda: self._writer._call(
+                        "complete_multipart_upload",
+                        Bucket=self.bucket,
+                        Key=self.key,
+                        UploadId=self.upload_id,
+                        MultipartUpload={"Parts": parts},
+                    ),
+                )
+                _forget_upload(self.upload_id)
+            with self._cond:
+                self._state = _COMPLETED
+        except BaseException:
+            with self._cond:
+                self._state = _ABORTED
+                self._cond.notify_all()
+            try:
+                self._abort_upload()
+            except Exception:  # noqa: BLE001 - the failure that stopped the commit is the one to raise
+                log.exception("lightning_datastates: could not abort the upload of %s", self.path)
+            raise
+        finally:
+            self._pieces.clear()
+            self._writer._invalidate(self.path)
+
+    def abort(self) -> None:
+        """Stop and cancel part uploads, then ``AbortMultipartUpload``; safe to call more than once.
+
+        Raises:
+            S3WriteError: the abort request failed (the open upload is removed later by ``clean_stale``).
+        """
+        with self._cond:
+            if self._state in (_ABORTED, _COMPLETED):
+                return  # after a commit, abort must not touch the committed object
+            self._state = _ABORTED
+            self._pieces.clear()
+            self._cond.notify_all()
+        self._abort_upload()
+
+    def _abort_upload(self) -> None:
+        upload_id, self.upload_id = self.upload_id, None
+        if upload_id is None:
+            return
+        self._aborting = True
+        with self._cond:
+            futures = list(self._futures.values())
+        # Parts still running would land after the abort (S3 then keeps them, billed): cancel them and wait.
+        fsspec.asyn.sync(self._loop, self._cancel_tasks)
+        concurrent.futures.wait(futures, timeout=self._writer.timeout_s)
+        try:
+            # Run as its own task on the loop: an interrupted caller (or cancelled part tasks) cannot stop it.
+            self._writer._run(
+                f"aborting the upload of {self.path}",
+                lambda: self._writer._call(
+                    "abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=upload_id
+                ),
+                missing_ok=True,
+            )
+        except S3WriteError as exc:
+            raise S3WriteError(
+                f"{exc}; multipart upload {upload_id} stays open until clean_stale removes it (after "
+                f"{STALE_UPLOAD_AGE_S / 3600:g} h)"
+            ) from exc.__cause__
+        finally:
+            _forget_upload(upload_id)
+            with self._cond:
+                self._futures.clear()
+
+    # ------------------------------------------------------------------ helpers (call with the lock held)
+    def _check_open(self) -> None:
+        if self._state != _OPEN:
+            raise RuntimeError(f"write to {self.path} after its session ended")
+
+    def _raise_part_error(self) -> None:
+        if self._error is not None:
+            raise S3WriteError(str(self._error)) from self._error
+
+
+def _assemble(length: int, pieces: list[tuple[int, bytes]]) -> bytes | bytearray:
+    """A part's body from its pieces (no copy when one piece is the whole part)."""
+    if len(pieces) == 1 and len(pieces[0][1]) == length:
+        return pieces[0][1]
+    body = bytearray(length)
+    for offset, piece in pieces:
+        body[offset : offset + len(piece)] = piece
+    return body
+
+
+def _forget_upload(upload_id: str | None) -> None:
+    with _OPEN_UPLOADS_LOCK:
+        _OPEN_UPLOADS.discard(upload_id or "")
+
+
+# ---------------------------------------------------------------------------------------------------- writer
+class S3Writer(StorageWriter):
+    """Writes checkpoints to ``s3://`` (and ``s3a://``) with a multipart driver of its own; see the module docstring.
+
+    Args:
+        storage_options: keyword arguments for ``s3fs.S3FileSystem`` (``endpoint_url``, ``key``, ``secret``, ...).
+            Without them s3fs reads the standard AWS variables, ``AWS_ENDPOINT_URL`` included.
+        part_size_bytes: bytes per part (int or ``"64MiB"``; default 64 MiB), clamped to S3's limits.
+        max_concurrent_parts: parts uploaded (or ranges read) at once per checkpoint (default 16).
+        retries: retries of each request after its first attempt, with exponential backoff (default 3).
+        timeout_s: limit of one attempt of one request (default 120 s).
+    """
+
+    def __init__(
+        self,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        part_size_bytes: Size = 64 * MiB,
+        max_concurrent_parts: int = 16,
+        retries: int = 3,
+        timeout_s: float = 120.0,
+    ) -> None:
+        self.part_size_bytes = parse_size(part_size_bytes, "part_size_bytes")
+        self.max_concurrent_parts = _check_int(max_concurrent_parts, "max_concurrent_parts", 1, 1000)
+        self.retries = _check_int(retries, "retries", 0, 100)
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ConfigError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        self.timeout_s = float(timeout_s)
+        self.storage_options = dict(storage_options or {})
+        check_s3_options(self.storage_options)
+        self.fs, self._data_fs = _filesystems(self.storage_options, self.timeout_s)
+        self.loop = self._data_fs.loop
+
+    @classmethod
+    def from_storage_options(cls, storage_options: dict[str, Any] | None) -> S3Writer:
+        """A writer from ``DataStatesIO(storage_options=...)``: the :data:`TUNABLES` keys set the writer, the rest
+        go to s3fs."""
+        options = dict(storage_options or {})
+        tunables = {name: options.pop(name) for name in TUNABLES if name in options}
+        return cls(options, **tunables)
+
+    # ------------------------------------------------------------------ StorageWriter
+    def begin(self, path: str, total_bytes: int) -> S3WriteSession:
+        """Plan the parts and, for a file of more than one part, create the multipart upload.
+
+        Raises:
+            S3WriteError: the upload cannot be started (no such bucket, no access, endpoint down).
+            ValueError: ``path`` names no key, or the file is too large for S3.
+        """
+        bucket, key = self._split(path)
+        if not key:
+            raise ValueError(f"{path} names a bucket, not an object; a checkpoint file path was expected")
+        plan = plan_parts(total_bytes, self.part_size_bytes)
+        upload_id = None
+        if plan.multipart:
+            response = self._run(
+                f"starting the upload of {path}",
+                lambda: self._call("create_multipart_upload", Bucket=bucket, Key=key),
+            )
+            upload_id = str(response["UploadId"])
+            with _OPEN_UPLOADS_LOCK:
+                _OPEN_UPLOADS.add(upload_id)
+        return S3WriteSession(self, path, bucket, key, plan, upload_id)
+
+    def exists(self, path: str) -> bool:
+        """Whether an object (or a "directory" prefix) exists at ``path``; asks S3, not a listing cache."""
+        self._invalidate(path)
+        return bool(self.fs.exists(self._strip(path)))
+
+    def remove(self, path: str) -> None:
+        """Delete the object at ``path`` and every object under ``path/`` (sharded checkpoints); missing is fine.
+
+        Raises:
+            S3WriteError: a delete request failed.
+        """
+        bucket, key = self._split(path)
+        if not key:
+            raise ValueError(f"refusing to remove the whole bucket {path}")
+        key = key.rstrip("/")
+        try:
+            self._run(f"removing {path}", lambda: self._call("delete_object", Bucket=bucket, Key=key), missing_ok=True)
+            self._run(f"removing {path}/", lambda: self._delete_prefix(bucket, key + "/"), missing_ok=True)
+        finally:
+            self._invalidate(path)
+
+    def open_read(self, path: str) -> BinaryIO:
+        """A buffered s3fs file reading ``path`` (:meth:`read_bytes` is the fast way to load a whole file)."""
+        self._invalidate(path)
+        return self.fs.open(self._strip(path), "rb")
+
+    def clean_stale(self, directory: str) -> list[str]:
+        """Abort open multipart uploads of keys directly in ``directory`` started over an hour ago (not by this
+        process); return their ``s3://`` paths.
+
+        Whether the process that started an upload is dead cannot be told from S3 (a listing carries no metadata),
+        so only age counts.
+        """
+        bucket, prefix = self._split(directory)
+        prefix = prefix.rstrip("/") + "/" if prefix.strip("/") else ""
+        try:
+            uploads = self._run(f"listing open uploads in {directory}", lambda: self._list_uploads(bucket, prefix))
+        except S3NotFoundError:
+            return []  # no such bucket: nothing to clean
+        removed = []
+        now = datetime.now(timezone.utc)
+        with _OPEN_UPLOADS_LOCK:
+            ours = set(_OPEN_UPLOADS)
+        for upload in uploads:
+            key, upload_id, initiated = upload["Key"], upload["UploadId"], upload.get("Initiated")
+            if "/" in key[len(prefix) :] or upload_id in ours:
+                continue
+            if initiated is not None and (now - initiated).total_seconds() <= STALE_UPLOAD_AGE_S:
+                continue
+            self._run(
+                f"aborting the stale upload of s3://{bucket}/{key}",
+                lambda: self._call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id),
+                missing_ok=True,
+            )
+            removed.append(f"s3://{bucket}/{key}")
+        return removed
+
+    # ------------------------------------------------------------------ fast load
+    def read_bytes(self, path: str) -> bytearray:
+        """The whole object at ``path``, fetched as concurrent ranged GETs (``max_concurrent_parts`` at once).
+
+        Every range is read with ``If-Match`` on the ETag seen first, so an object replaced meanwhile is read
+        again instead of coming back torn.
+
+        Raises:
+            S3NotFoundError: nothing at ``path`` (a ``FileNotFoundError``).
+            S3WriteError: a request failed (after retries).
+        """
+        bucket, key = self._split(path)
+        for attempt in range(self.retries + 1):
+            head = self._run(f"reading {path}", lambda: self._call("head_object", Bucket=bucket, Key=key))
+            size, etag = int(head["ContentLength"]), str(head["ETag"])
+            buffer = bytearray(size)
+            try:
+                self._run(
+                    f"reading {path}",
+                    lambda: self._read_ranges(path, bucket, key, etag, memoryview(buffer)),
+                    retry=False,  # each range retries on its own
+                )
+                return buffer
+            except S3WriteError as exc:
+                if _error_code(exc) != "PreconditionFailed" or attempt == self.retries:
+                    raise
+                log.info("lightning_datastates: %s changed while it was read; reading it again", path)
+        raise AssertionError("unreachable")
+
+    def read_range_bytes(self, size: int) -> int:
+        """Bytes per ranged GET for an object of ``size`` bytes: enough ranges to fill the window, at least 8 MiB,
+        at most one part."""
+        return max(8 * MiB, min(self.part_size_bytes, math.ceil(size / self.max_concurrent_parts)))
+
+    async def _read_ranges(self, path: str, bucket: str, key: str, etag: str, target: memoryview) -> None:
+        size = target.nbytes
+        if size == 0:
+            return
+        step = self.read_range_bytes(size)
+        semaphore = asyncio.Semaphore(self.max_concurrent_parts)
+
+        async def read_range(start: int, stop: int) -> None:
+            async with semaphore:
+                await self._with_retries(
+                    f"reading bytes {start}-{stop - 1} of {path}",
+                    lambda: self._get_range(bucket, key, etag, target[start:stop], start),
+                )
+
+        tasks = [asyncio.ensure_future(read_range(s, min(s + step, size))) for s in range(0, size, step)]
+        try:
+            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                task.result()  # raises the first failure
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _get_range(self, bucket: str, key: str, etag: str, target: memoryview, start: int) -> None:
+        stop = start + target.nbytes
+        response = await self._call("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{stop - 1}", IfMatch=etag)
+        body = response["Body"]
+        try:
+            position = 0
+            while position < target.nbytes:
+                chunk = await body.read(min(4 * MiB, target.nbytes - position))
+                if not chunk:
+                    raise OSError(f"connection closed after {position} of {target.nbytes} bytes")
+                target[position : position + len(chunk)] = chunk
+                position += len(chunk)
+        finally:
+            body.close()
+
+    # ------------------------------------------------------------------ requests
+    def _call(self, method: str, **kwargs: Any) -> Awaitable[Any]:
+        """One attempt of an S3 request on the event loop (s3fs's and botocore's own retries are off)."""
+        return self._data_fs._call_s3(method, **kwargs)
+
+    async def _with_retries(self, what: str, attempt: Callable[[], Awaitable[Any]]) -> Any:
+        """Run ``attempt()`` with a timeout, retrying transient failures with exponential backoff and jitter.
+
+        Raises:
+            S3WriteError: ``"{what} failed: ..."``, chained to the last failure.
+        """
+        for number in range(self.retries + 1):
+            try:
+                return await asyncio.wait_for(attempt(), self.timeout_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - classified below, always re-raised in the end
+                if number == self.retries or not _retryable(exc):
+                    kind = S3NotFoundError if isinstance(exc, FileNotFoundError) else S3WriteError
+                    raise kind(f"{what} failed: {_describe(exc)}") from exc
+                delay = min(_BACKOFF_S * 2**number, _MAX_BACKOFF_S) * (0.5 + random.random())
+                log.debug("lightning_datastates: %s failed (%r); retrying in %.2f s", what, exc, delay)
+                await asyncio.sleep(delay)
+        raise AssertionError("unreachable")
+
+    def _run(
+        self,
+        what: str,
+        attempt: Callable[[], Awaitable[Any]],
+        *,
+        missing_ok: bool = False,
+        retry: bool = True,
+    ) -> Any:
+        """Run a request on the event loop from the calling thread (never the loop's) and wait for it."""
+
+        async def request() -> Any:
+            if retry:
+                return await self._with_retries(what, attempt)
+            return await attempt()
+
+        # A task of its own, shielded: cancelling the waiter (or part tasks) leaves it running to its end.
+        future = asyncio.run_coroutine_threadsafe(request(), self.loop)
+        try:
+            return future.result()
+        except S3NotFoundError:
+            if missing_ok:
+                return None
+            raise
+
+    async def _delete_prefix(self, bucket: str, prefix: str) -> None:
+        token: dict[str, str] = {}
+        while True:
+            listing = await self._call("list_objects_v2", Bucket=bucket, Prefix=prefix, **token)
+            keys = [{"Key": item["Key"]} for item in listing.get("Contents", [])]
+            if keys:
+                await self._call("delete_objects", Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+            if not listing.get("IsTruncated"):
+                return
+            token = {"ContinuationToken": listing["NextContinuationToken"]}
+
+    async def _list_uploads(self, bucket: str, prefix: str) -> list[dict[str, Any]]:
+        uploads: list[dict[str, Any]] = []
+        markers: dict[str, str] = {}
+        while True:
+            page = await self._call("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **markers)
+            uploads += page.get("Uploads", [])
+            if not page.get("IsTruncated"):
+                return uploads
+            markers = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
+
+    def list_open_uploads(self, directory: str) -> list[dict[str, Any]]:
+        """Every open multipart upload under ``directory`` (recursively), as S3 lists them."""
+        bucket, prefix = self._split(directory)
+        prefix = prefix.rstrip("/") + "/" if prefix.strip("/") else ""
+        return self._run(f"listing open uploads in {directory}", lambda: self._list_uploads(bucket, prefix))
+
+    # ------------------------------------------------------------------ paths and caches
+    def _strip(self, path: str) -> str:
+        return self.fs._strip_protocol(path)
+
+    def _split(self, path: str) -> tuple[str, str]:
+        bucket, key, _ = self.fs.split_path(path)
+        return bucket, key
+
+    def _invalidate(self, path: str) -> None:
+        # Our requests bypass s3fs's listing cache; Lightning's ModelCheckpoint may share this instance.
+        self.fs.invalidate_cache(self._strip(path))
+
+
+def import_s3fs() -> Any:
+    """The ``s3fs`` module.
+
+    Raises:
+        ImportError: s3fs is not installed (the message names the extra to install).
+    """
+    try:
+        import s3fs
+    except ImportError as exc:
+        raise ImportError(f"s3:// checkpoints need s3fs ({exc}): pip install lightning-datastates[s3]") from exc
+    return s3fs
+
+
+def check_s3_options(options: dict[str, Any]) -> None:
+    """Reject keys ``s3fs.S3FileSystem`` would not understand (they would be passed on and ignored, or fail late).
+
+    Raises:
+        ValueError: naming the key, the closest accepted one, and ``storage_options``.
+    """
+    s3fs = import_s3fs()
+
+    accepted = {
+        name
+        for name, parameter in inspect.signature(s3fs.S3FileSystem.__init__).parameters.items()
+        if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY) and name != "self"
+    } | _FSSPEC_KEYS
+    for key in options:
+        if key in _REJECTED_KEYS:
+            raise ConfigError(f"storage_options key {key!r} is not supported for s3://; remove it from storage_options")
+        if key not in accepted:
+            close = difflib.get_close_matches(key, sorted(accepted | set(TUNABLES)), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(
+                f"storage_options key {key!r} is not an option of s3fs.S3FileSystem nor of the S3 writer "
+                f"({', '.join(TUNABLES)}){hint}; fix DataStatesIO(storage_options=...)"
+            )
+
+
+# ---------------------------------------------------------------------------------------------------- file systems
+_FILESYSTEMS: dict[str, tuple[Any, Any]] = {}
+_FILESYSTEMS_LOCK = threading.Lock()
+_MAX_CACHED = 16
+
+
+def _filesystems(options: dict[str, Any], timeout_s: float) -> tuple[Any, Any]:
+    """``(shared, data)`` file systems for ``options``: ``shared`` is s3fs's usual (cached) instance, used for
+    metadata; ``data`` is ours alone, with s3fs's and botocore's retries off and our timeouts, for the requests we
+    retry ourselves. Both are cached per process: building a client costs tens of milliseconds."""
+    s3fs = import_s3fs()
+
+    cache_key = f"{os.getpid()}|{timeout_s}|{sorted(options.items())!r}"
+    with _FILESYSTEMS_LOCK:
+        cached = _FILESYSTEMS.get(cache_key)
+        if cached is not None:
+            return cached
+        shared = s3fs.S3FileSystem(**options)
+        config = {"connect_timeout": min(timeout_s, 10.0), "read_timeout": timeout_s, "retries": {"max_attempts": 0}}
+        config.update(options.get("config_kwargs") or {})
+        data = s3fs.S3FileSystem(**{**options, "config_kwargs": config, "skip_instance_cache": True})
+        data.retries = 1  # one attempt per _call_s3: S3Writer retries (instance attribute; this instance is ours)
+        if len(_FILESYSTEMS) >= _MAX_CACHED:
+            _FILESYSTEMS.pop(next(iter(_FILESYSTEMS)))
+        _FILESYSTEMS[cache_key] = (shared, data)
+        return shared, data
+
+
+def clear_filesystem_cache() -> None:
+    """Forget the cached s3fs instances (tests: a fresh client per test)."""
+    with _FILESYSTEMS_LOCK:
+        _FILESYSTEMS.clear()
+
+
+# ---------------------------------------------------------------------------------------------------- errors
+def _client_error(exc: BaseException) -> Any:
+    """The botocore ``ClientError`` behind ``exc`` (s3fs translates it into an ``OSError`` and chains it)."""
+    seen = 0
+    while exc is not None and seen < 5:
+        if getattr(exc, "response", None) is not None:
+            return exc
+        exc = exc.__cause__  # type: ignore[assignment]
+        seen += 1
+    return None
+
+
+def _error_code(exc: BaseException) -> str | None:
+    error = _client_error(exc)
+    return None if error is None else error.response.get("Error", {}).get("Code")
+
+
+def _retryable(exc: BaseException) -> bool:
+    """Server-side and transport failures are retried; a refusal (4xx: no bucket, no access, ...) is not."""
+    error = _client_error(exc)
+    if error is not None:
+        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+        return status >= 500 or status in (408, 429) or error.response.get("Error", {}).get("Code") in _RETRYABLE_CODES
+    if isinstance(exc, (TypeError, ValueError, AttributeError, KeyError)) and not isinstance(exc, OSError):
+        return False  # a bug or bad parameters (botocore's ParamValidationError is a ValueError)
+    return True  # connection refused or reset, timeouts, truncated bodies
+
+
+def _describe(exc: BaseException) -> str:
+    error = _client_error(exc)
+    if error is not None:
+        info = error.response.get("Error", {})
+        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return f"{info.get('Code')} (HTTP {status}): {info.get('Message') or exc}"
+    if isinstance(exc, TimeoutError):
+        return "no answer within timeout_s"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _check_int(value: Any, name: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(f"{name} must be an int from {low} to {high}, got {value!r}")
+    return value
+
