@@ -73,6 +73,11 @@ class DataStatesCallback(Callback):
         self._plugin.detach(self)
         self._plugin, self._trainer = None, None
 
+    @property
+    def in_training_loop(self) -> bool:
+        """Whether fit's training loop runs, so barriers and the final drain are guaranteed to follow a save."""
+        return self._armed
+
     def lazy_predicate(self) -> LazyPredicate | None:
         """Which storages may be copied after ``save_checkpoint`` returns; None when all must be copied in it.
 

@@ -25,68 +25,19 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from torch import nn
 
 from lightning_datastates import DataStatesIO
+from lightning_datastates._gpt import GPT
 
 SEED = 1234
 #: Model and batch shapes; ``--layers``/``--dim`` override the preset's.
 PRESETS: dict[str, dict[str, int]] = {
-    "fast": dict(vocab=512, dim=64, layers=2, heads=2, seq_len=32, batch_size=4),
-    "small": dict(vocab=4096, dim=256, layers=4, heads=4, seq_len=64, batch_size=4),
-    "medium": dict(vocab=8192, dim=512, layers=6, heads=8, seq_len=128, batch_size=2),
+    "fast": {"vocab": 512, "dim": 64, "layers": 2, "heads": 2, "seq_len": 32, "batch_size": 4},
+    "small": {"vocab": 4096, "dim": 256, "layers": 4, "heads": 4, "seq_len": 64, "batch_size": 4},
+    "medium": {"vocab": 8192, "dim": 512, "layers": 6, "heads": 8, "seq_len": 128, "batch_size": 2},
 }
-
-
-# ---------------------------------------------------------------------------------------------------- the model
-class Block(nn.Module):
-    """Pre-LayerNorm transformer block: causal self-attention, then an MLP, each with a residual connection."""
-
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x``: (batch, time, dim) -> same shape."""
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(L.LightningModule):
-    """A small GPT: token and position embeddings, pre-LN blocks, LM head tied to the token embedding, AdamW."""
-
-    def __init__(self, vocab: int, dim: int, layers: int, heads: int, seq_len: int) -> None:
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(seq_len, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-        self.head.weight = self.tok.weight  # tied: one storage, two state_dict entries
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids (batch, time) -> logits (batch, time, vocab)."""
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
-
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        """Next-token cross-entropy on a (batch, seq_len + 1) block of token ids."""
-        logits = self(batch[:, :-1])
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        """AdamW, so the optimizer state is twice the parameters, as in LLM training."""
-        return torch.optim.AdamW(self.parameters(), lr=3e-4, weight_decay=0.1)
 
 
 # ---------------------------------------------------------------------------------------------------- the runs
@@ -111,13 +62,17 @@ class Run:
     checkpoints: list[tuple[str, float, float | None]] = field(default_factory=list)
 
 
+def make_model(shape: dict[str, int]) -> GPT:
+    """A GPT of the preset ``shape`` (a dict from :data:`PRESETS`)."""
+    return GPT(shape["vocab"], shape["dim"], shape["layers"], shape["heads"], shape["seq_len"])
+
+
 def fit(shape: dict[str, int], steps: int, plugin: Any | None, dirpath: str | None, every: int) -> Run:
     """Train a fresh, identically seeded model for ``steps`` steps; checkpoint into ``dirpath`` if given."""
     L.seed_everything(SEED, verbose=False)
-    model = GPT(shape["vocab"], shape["dim"], shape["layers"], shape["heads"], shape["seq_len"])
-    tokens = torch.randint(
-        shape["vocab"], (steps * shape["batch_size"], shape["seq_len"] + 1), generator=torch.Generator().manual_seed(SEED)
-    )
+    model = make_model(shape)
+    generator = torch.Generator().manual_seed(SEED)
+    tokens = torch.randint(shape["vocab"], (steps * shape["batch_size"], shape["seq_len"] + 1), generator=generator)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -198,7 +153,8 @@ def report(baseline: Run, torch_run: Run, datastates_run: Run) -> None:
         blocked = [b for _, b, _ in run.checkpoints]
         medians[name] = statistics.median(blocked)
         overhead = 100 * (run.fit_s / baseline.fit_s - 1)
-        print(f"{name:<18} {medians[name] * 1e3:>18.1f} {max(blocked) * 1e3:>15.1f} {run.fit_s:>8.1f} {overhead:>8.1f}%")
+        row = f"{medians[name] * 1e3:>18.1f} {max(blocked) * 1e3:>15.1f} {run.fit_s:>8.1f} {overhead:>8.1f}%"
+        print(f"{name:<18} {row}")
     ratio = medians["TorchCheckpointIO"] / medians["DataStatesIO"] if medians["DataStatesIO"] else math.inf
     print(f"median blocked time, TorchCheckpointIO / DataStatesIO: {ratio:.1f}x")
     print("(DataStatesIO fsyncs every file before publishing it; TorchCheckpointIO leaves it in the page cache.)")
@@ -216,8 +172,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, help="transformer blocks (overrides the preset)")
     parser.add_argument("--dim", type=int, help="model width (overrides the preset)")
     parser.add_argument("--fast", action="store_true", help="tiny model and few steps, for CI")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads for training (default 1: the other "
-                        "cores are left to checkpointing, as a GPU node leaves its CPU free)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads for training (default 1: the other "
+        "cores are left to checkpointing, as a GPU node leaves its CPU free)",
+    )
     return parser.parse_args(argv)
 
 
@@ -235,10 +196,14 @@ def main(argv: list[str] | None = None) -> dict[str, Run]:
         logging.getLogger(name).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*LeafSpec.*")  # lightning 2.6 vs torch 2.13 deprecation noise
-    root = tempfile.mkdtemp(prefix="datastates-demo-", dir=args.dir)
-    params = sum(p.numel() for p in GPT(**{k: shape[k] for k in ("vocab", "dim", "layers", "heads", "seq_len")}).parameters())
-    print(f"GPT: {params / 1e6:.1f}M parameters ({shape}); {steps} steps, a checkpoint every {every}; "
-          f"{args.threads} training thread(s) of {os.cpu_count()} CPUs; files in {root}")
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)
+    root = tempfile.mkdtemp(prefix="datastates-demo-", dir=args.dir)  # fresh; never removes what was there
+    params = sum(p.numel() for p in make_model(shape).parameters())
+    print(
+        f"GPT: {params / 1e6:.1f}M parameters ({shape}); {steps} steps, a checkpoint every {every}; "
+        f"{args.threads} training thread(s) of {os.cpu_count()} CPUs; files in {root}"
+    )
     try:
         fit(shape, 2, None, None, every)  # warm-up: first-call costs land on no measured run
         runs = {
@@ -248,8 +213,10 @@ def main(argv: list[str] | None = None) -> dict[str, Run]:
         }
         report(runs["baseline"], runs["torch"], runs["datastates"])
         verify(runs["torch"], runs["datastates"])
-        print(f"verify: OK ({len(runs['datastates'].checkpoints)} DataStatesIO files load with weights_only=True and "
-              "equal the TorchCheckpointIO files bit for bit)")
+        print(
+            f"verify: OK ({len(runs['datastates'].checkpoints)} DataStatesIO files load with weights_only=True and "
+            "equal the TorchCheckpointIO files bit for bit)"
+        )
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

@@ -20,7 +20,7 @@ from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
 from lightning_datastates.config import DataStatesConfig, Size
 from lightning_datastates.errors import CheckpointFlushError
 from lightning_datastates.reader import load_checkpoint
-from lightning_datastates.snapshot.engine import LazyPredicate, SnapshotEngine
+from lightning_datastates.snapshot.engine import SnapshotEngine
 from lightning_datastates.snapshot.job import SnapshotStats
 from lightning_datastates.storage import StorageWriter, writer_for
 
@@ -33,10 +33,12 @@ log = logging.getLogger("lightning_datastates")
 class DataStatesIO(CheckpointIO):
     """Checkpoint without stalling training: ``Trainer(plugins=[DataStatesIO()])``.
 
-    ``save_checkpoint`` snapshots the non-tensor part of the checkpoint and the tensors that may change before
-    the next optimizer step, then returns; parameters and optimizer state are copied into a host arena while the
-    next forward and backward run, and written to storage in the background. Files are plain Lightning
-    checkpoints, published atomically under their final name once complete.
+    Inside fit's training loop, ``save_checkpoint`` snapshots the non-tensor part of the checkpoint and the
+    tensors that may change before the next optimizer step, then returns; parameters and optimizer state are
+    copied into a host arena while the next forward and backward run, and written to storage in the background
+    (the end of fit waits for them). Anywhere else (``trainer.save_checkpoint`` after fit, ``validate``, the
+    plugin used on its own) it returns once the file is committed, as Lightning's default does. Files are plain
+    Lightning checkpoints, published atomically under their final name once complete.
 
     Args:
         host_cache: host memory for snapshots (bytes, or a string such as ``"8GiB"``). ``None`` (default) sizes it
@@ -77,8 +79,8 @@ class DataStatesIO(CheckpointIO):
         """
         if storage_options is not None:
             raise TypeError(
-                "DataStatesIO.save_checkpoint got storage_options, which it does not use; "
-                "drop `storage_options` from `Trainer.save_checkpoint(...)`"
+                "DataStatesIO does not take storage_options per save: drop `storage_options` from "
+                "`Trainer.save_checkpoint(...)` and pass them once as `DataStatesIO(storage_options=...)`"
             )
         started = time.perf_counter()
         self.raise_pending_failure()
@@ -87,10 +89,19 @@ class DataStatesIO(CheckpointIO):
         directory = os.path.dirname(path) or "."
         if directory not in self._cleaned_directories:
             self.clean_stale(directory)
+        owner = self._owner
+        in_training_loop = owner is not None and owner.in_training_loop
         try:
-            stats = self.engine.capture(checkpoint, path, writer, self._lazy_predicate())
+            stats = self.engine.capture(
+                checkpoint, path, writer, owner.lazy_predicate() if in_training_loop and owner else None
+            )
         except OSError as exc:
             raise CheckpointFlushError(f"cannot write checkpoint {path}: {exc}", path) from exc
+        if not in_training_loop:
+            # Outside fit's training loop no later hook drains or reports: behave like TorchCheckpointIO and
+            # return once the file is committed (`trainer.save_checkpoint(p)` then `torch.load(p)` must work).
+            self.engine.wait_path(path)
+            self.raise_pending_failure(path)
         stats.save_call_s = time.perf_counter() - started
 
     def load_checkpoint(
@@ -183,10 +194,6 @@ class DataStatesIO(CheckpointIO):
 
     def _writer(self, path: str) -> StorageWriter:
         return writer_for(path, self.config.storage_options)
-
-    def _lazy_predicate(self) -> LazyPredicate | None:
-        # Without a callback guaranteeing barriers, every tensor is copied before save_checkpoint returns.
-        return None if self._owner is None else self._owner.lazy_predicate()
 
     # ------------------------------------------------------------------ pickling (ddp_spawn, LightningCLI)
     def __getstate__(self) -> dict[str, Any]:

@@ -18,6 +18,8 @@ from lightning_datastates import DataStatesIO
 
 
 class _AllLazy:
+    in_training_loop = True
+
     def lazy_predicate(self):
         return lambda storage: True
 

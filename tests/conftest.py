@@ -178,3 +178,25 @@ def gated_writer(monkeypatch: pytest.MonkeyPatch) -> GatedWriter:
     writer = GatedWriter()
     monkeypatch.setattr("lightning_datastates.plugin.writer_for", lambda path, storage_options=None: writer)
     return writer
+
+
+class BackgroundOwner:
+    """Stands in for the callback inside fit's training loop, for tests of the plugin on its own.
+
+    With it, saves return before the flush (as during training); ``lazy=True`` also lets every tensor be copied
+    after the save call returns (the test then calls ``plugin.barrier()`` itself where the callback would).
+    """
+
+    in_training_loop = True
+
+    def __init__(self, lazy: bool = False) -> None:
+        self.lazy = lazy
+
+    def lazy_predicate(self) -> Any:
+        return (lambda storage: True) if self.lazy else None
+
+
+def in_background(plugin: DataStatesIO, lazy: bool = False) -> DataStatesIO:
+    """``plugin`` driven as inside a training loop (see :class:`BackgroundOwner`)."""
+    plugin._owner = BackgroundOwner(lazy)  # type: ignore[assignment]
+    return plugin

@@ -58,7 +58,7 @@ def test_contract_check_fails_without_barrier(tmp_path, slow_copies, monkeypatch
     Without ``save_last`` each file is the last save before the next optimizer step (with it, the step's first
     file is fully copied while ``last.ckpt`` is captured, and only ``last.ckpt`` races the step).
     """
-    monkeypatch.setattr(SnapshotEngine, "wait_copies", lambda self: 0.0)
+    monkeypatch.setattr(SnapshotEngine, "wait_copies", lambda self, attribute=True: 0.0)
     plugin = _fit_recording(str(tmp_path), 1, save_last=False)
     failures = _mismatches(plugin)
     assert failures, "a plugin that never waits for its copies produced only correct files: the check is blind"

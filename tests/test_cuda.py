@@ -22,6 +22,8 @@ pytestmark = [
 class _AllLazy:
     """Stands in for the callback: every storage may be copied lazily (the test calls the barrier itself)."""
 
+    in_training_loop = True
+
     def lazy_predicate(self):
         return lambda storage: True
 

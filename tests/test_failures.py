@@ -13,7 +13,15 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_datastates import CheckpointCaptureError, CheckpointFlushError, DataStatesIO
-from tests.conftest import BNModel, GatedWriter, every_step_checkpoint, make_loader, make_trainer, temp_files
+from tests.conftest import (
+    BNModel,
+    GatedWriter,
+    every_step_checkpoint,
+    in_background,
+    make_loader,
+    make_trainer,
+    temp_files,
+)
 
 
 def _small(seed: int) -> dict:
@@ -21,7 +29,7 @@ def _small(seed: int) -> dict:
 
 
 def test_failed_write_raises_once_naming_the_path(tmp_path, gated_writer):
-    plugin = DataStatesIO()
+    plugin = in_background(DataStatesIO())
     paths = [str(tmp_path / name) for name in ("a.ckpt", "b.ckpt", "c.ckpt")]
     plugin.save_checkpoint(_small(0), paths[0])
     plugin.drain()
@@ -43,7 +51,7 @@ def test_failed_write_raises_once_naming_the_path(tmp_path, gated_writer):
 
 
 def test_failed_write_keeps_the_previous_file_of_that_path(tmp_path, gated_writer):
-    plugin = DataStatesIO()
+    plugin = in_background(DataStatesIO())
     path = str(tmp_path / "last.ckpt")
     plugin.save_checkpoint(_small(1), path)
     plugin.drain()
@@ -145,6 +153,7 @@ _EXIT_SCRIPT = textwrap.dedent(
     import lightning_datastates.plugin as plugin_module
     plugin_module.writer_for = lambda path, storage_options=None: SlowWriter()
     plugin = DataStatesIO(chunk_size="1MiB")
+    plugin._owner = type("InTrainingLoop", (), {"in_training_loop": True, "lazy_predicate": lambda self: None})()
     plugin.save_checkpoint({"w": torch.arange(4 * 2**20, dtype=torch.float32)}, sys.argv[1])
     print("pending at exit:", plugin.is_pending(sys.argv[1]), flush=True)
     """

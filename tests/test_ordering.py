@@ -8,7 +8,7 @@ import threading
 import torch
 
 from lightning_datastates import DataStatesIO
-from tests.conftest import GatedWriter, assert_bit_equal, temp_files
+from tests.conftest import GatedWriter, assert_bit_equal, in_background, temp_files
 
 
 def _checkpoint(seed: int, megabytes: int = 4) -> dict:
@@ -28,7 +28,7 @@ def _release_later(writer: GatedWriter, delay_s: float = 0.3) -> threading.Timer
 
 
 def test_load_of_pending_path_waits_for_its_write(tmp_path, gated_writer):
-    plugin = DataStatesIO()
+    plugin = in_background(DataStatesIO())
     path = str(tmp_path / "a.ckpt")
     gated_writer.gate.clear()
     expected = _checkpoint(1)
@@ -42,7 +42,7 @@ def test_load_of_pending_path_waits_for_its_write(tmp_path, gated_writer):
 
 
 def test_remove_of_pending_path_leaves_nothing(tmp_path, gated_writer):
-    plugin = DataStatesIO()
+    plugin = in_background(DataStatesIO())
     path = str(tmp_path / "a.ckpt")
     gated_writer.gate.clear()
     plugin.save_checkpoint(_checkpoint(1), path)
@@ -54,7 +54,7 @@ def test_remove_of_pending_path_leaves_nothing(tmp_path, gated_writer):
 
 
 def test_remove_of_committed_path_while_another_is_pending(tmp_path, gated_writer):
-    plugin = DataStatesIO()
+    plugin = in_background(DataStatesIO())
     first, second = str(tmp_path / "first.ckpt"), str(tmp_path / "second.ckpt")
     plugin.save_checkpoint(_checkpoint(1), first)
     plugin.drain()
@@ -69,7 +69,7 @@ def test_remove_of_committed_path_while_another_is_pending(tmp_path, gated_write
 
 
 def test_saves_to_one_path_land_in_order(tmp_path, gated_writer):
-    plugin = DataStatesIO()
+    plugin = in_background(DataStatesIO())
     path = str(tmp_path / "last.ckpt")
     gated_writer.gate.clear()
     for seed in range(5):
@@ -83,7 +83,7 @@ def test_saves_to_one_path_land_in_order(tmp_path, gated_writer):
 
 def test_many_checkpoints_in_flight(tmp_path, gated_writer):
     """Storage slower than saves: checkpoints queue up, host memory stays within the arena (back-pressure)."""
-    plugin = DataStatesIO(host_cache="16MiB", writer_threads=3)
+    plugin = in_background(DataStatesIO(host_cache="16MiB", writer_threads=3))
     paths = [str(tmp_path / f"c{i}.ckpt") for i in range(12)]
     gated_writer.gate.clear()
     _release_later(gated_writer, delay_s=0.5)  # the arena fills up before storage moves at all
@@ -101,7 +101,7 @@ def test_many_checkpoints_in_flight(tmp_path, gated_writer):
 
 
 def test_arena_smaller_than_one_checkpoint_streams(tmp_path):
-    plugin = DataStatesIO(host_cache="1MiB", chunk_size="128KiB")
+    plugin = in_background(DataStatesIO(host_cache="1MiB", chunk_size="128KiB"))
     path = str(tmp_path / "big.ckpt")
     expected = _checkpoint(3, megabytes=8)
     plugin.save_checkpoint(expected, path)
@@ -115,7 +115,7 @@ def test_arena_smaller_than_one_checkpoint_streams(tmp_path):
 
 def test_without_callback_everything_is_copied_before_save_returns(tmp_path, gated_writer):
     """Outside a Trainer nothing guarantees a barrier: the save call must snapshot every tensor itself."""
-    plugin = DataStatesIO(eager_copy_size="1KiB")
+    plugin = in_background(DataStatesIO(eager_copy_size="1KiB"))
     path = str(tmp_path / "a.ckpt")
     checkpoint = _checkpoint(5)
     expected = {k: (v.copy() if isinstance(v, dict) else v) for k, v in checkpoint.items()}
@@ -133,7 +133,7 @@ def test_without_callback_everything_is_copied_before_save_returns(tmp_path, gat
 
 
 def test_teardown_stops_threads_and_plugin_restarts(tmp_path):
-    plugin = DataStatesIO()
+    plugin = in_background(DataStatesIO())
     plugin.save_checkpoint(_checkpoint(1), str(tmp_path / "a.ckpt"))
     threads = list(plugin.engine._threads)
     plugin.teardown()
@@ -142,3 +142,22 @@ def test_teardown_stops_threads_and_plugin_restarts(tmp_path):
     plugin.save_checkpoint(_checkpoint(2), str(tmp_path / "b.ckpt"))
     plugin.teardown()
     assert_bit_equal(torch.load(str(tmp_path / "b.ckpt"), weights_only=True), _checkpoint(2))
+
+
+def test_outside_a_training_loop_save_returns_once_committed(tmp_path, gated_writer):
+    """Used on its own (or after fit) the plugin behaves like TorchCheckpointIO: the file exists on return."""
+    plugin = DataStatesIO()
+    path = str(tmp_path / "now.ckpt")
+    gated_writer.gate.clear()
+    _release_later(gated_writer, delay_s=0.2)
+    plugin.save_checkpoint(_checkpoint(7), path)
+    assert not plugin.is_pending(path) and temp_files(str(tmp_path)) == []
+    assert_bit_equal(torch.load(path, weights_only=True), _checkpoint(7))
+    gated_writer.fail_on_write = gated_writer.writes + 1
+    try:
+        plugin.save_checkpoint(_checkpoint(8), path)
+    except Exception as exc:  # noqa: BLE001 - checked below
+        failure = exc
+    assert type(failure).__name__ == "CheckpointFlushError" and path in str(failure)  # raised at the call itself
+    assert_bit_equal(torch.load(path, weights_only=True), _checkpoint(7))
+    plugin.teardown()

@@ -83,7 +83,9 @@ class SnapshotEngine:
         """
         started_at = time.perf_counter()
         layout, storages = self._plan(checkpoint)
-        self.wait_copies()  # one snapshot copies at a time: the arena is not split between them
+        # One snapshot copies at a time (the arena is not split between them). The wait is part of this save
+        # call's time, so it is not also counted as a barrier wait of the earlier snapshot.
+        self.wait_copies(attribute=False)
         arena = self._ensure_arena(layout.payload_bytes)
         chunk_bytes = max(4096, min(self.config.chunk_bytes, arena.size_bytes // 4))
         eager_keys = {
@@ -125,8 +127,11 @@ class SnapshotEngine:
         (job.eager_copied if lazy is not None else job.copied).wait()
         return job.stats
 
-    def wait_copies(self) -> float:
-        """Barrier: return once no pending snapshot still reads training state; the seconds waited."""
+    def wait_copies(self, attribute: bool = True) -> float:
+        """Barrier: return once no pending snapshot still reads training state; the seconds waited.
+
+        With ``attribute`` the wait is added to the newest waited-for snapshot's ``barrier_wait_s``.
+        """
         with self._lock:
             waiting = [job for job in self._active if not job.copied.is_set()]
         if not waiting:
@@ -135,7 +140,8 @@ class SnapshotEngine:
         for job in waiting:
             job.copied.wait()
         waited = time.perf_counter() - started
-        waiting[-1].stats.barrier_wait_s += waited  # the newest snapshot is the one training waited for
+        if attribute:
+            waiting[-1].stats.barrier_wait_s += waited  # the newest snapshot is the one training waited for
         return waited
 
     def is_pending(self, path: str) -> bool:
