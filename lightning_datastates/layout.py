@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+
 class LayoutUnsupported(Exception):
     """The out-of-order layout cannot be trusted for this checkpoint; write it with a plain ``torch.save``."""
 

@@ -51,6 +51,8 @@ class DataStatesIO(CheckpointIO):
             cheaper than scheduling them, and safe for small state that changes anywhere.
         storage_options: options for the fsspec file system of non-local paths (``s3://``, ``memory://``, ...),
             e.g. ``{"key": ..., "secret": ..., "endpoint_url": ...}``; used for saving, loading and removing.
+            For ``s3://`` it also takes the multipart writer's ``part_size_bytes`` (default 16 MiB),
+            ``max_concurrent_parts`` (8), ``retries`` (3) and ``timeout_s`` (120).
     """
 
     def __init__(
@@ -87,11 +89,11 @@ class DataStatesIO(CheckpointIO):
         path = _path_str(path)
         writer = self._writer(path)
         directory = os.path.dirname(path) or "."
-        if directory not in self._cleaned_directories:
-            self.clean_stale(directory)
         owner = self._owner
         in_training_loop = owner is not None and owner.in_training_loop
         try:
+            if directory not in self._cleaned_directories:
+                self.clean_stale(directory)
             stats = self.engine.capture(
                 checkpoint, path, writer, owner.lazy_predicate() if in_training_loop and owner else None
             )
@@ -209,4 +211,3 @@ def _path_str(path: _PATH) -> str:
 
 
 _COLLAPSED_URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]+):/(?!/)")
-

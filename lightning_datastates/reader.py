@@ -18,7 +18,9 @@ from lightning_datastates.storage import LocalWriter, StorageWriter, local_path
 from lightning_datastates.storage.s3 import S3Writer
 
 
-def load_checkpoint(writer: StorageWriter, path: str, map_location: Any = None, weights_only: bool | None = None) -> Any:
+def load_checkpoint(
+    writer: StorageWriter, path: str, map_location: Any = None, weights_only: bool | None = None
+) -> Any:
     """``torch.load`` the committed checkpoint at ``path``; ``map_location`` and ``weights_only`` as torch.
 
     Raises:

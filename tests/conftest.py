@@ -54,7 +54,9 @@ class BNModel(L.LightningModule):
 def make_loader(n: int = 64, batch_size: int = 8, seed: int = 0) -> torch.utils.data.DataLoader:
     """Deterministic synthetic regression data."""
     generator = torch.Generator().manual_seed(seed)
-    dataset = torch.utils.data.TensorDataset(torch.randn(n, 32, generator=generator), torch.randn(n, 1, generator=generator))
+    dataset = torch.utils.data.TensorDataset(
+        torch.randn(n, 32, generator=generator), torch.randn(n, 1, generator=generator)
+    )
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size)
 
 

@@ -12,7 +12,14 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from lightning_datastates import DataStatesCallback, DataStatesIO
 from lightning_datastates.storage.local import TEMP_SUFFIX
-from tests.conftest import BNModel, RecordingDataStatesIO, assert_bit_equal, every_step_checkpoint, make_loader, make_trainer
+from tests.conftest import (
+    BNModel,
+    RecordingDataStatesIO,
+    assert_bit_equal,
+    every_step_checkpoint,
+    make_loader,
+    make_trainer,
+)
 
 
 def _ours(trainer) -> list[DataStatesCallback]:
@@ -39,7 +46,10 @@ def test_explicit_callback_with_entry_point_one_drives_the_plugin(tmp_path, slow
             seen_owners.append(plugin._owner)
 
     trainer = make_trainer(
-        str(tmp_path), plugin, callbacks=[every_step_checkpoint(str(tmp_path / "c")), explicit, OwnerSpy()], max_epochs=1
+        str(tmp_path),
+        plugin,
+        callbacks=[every_step_checkpoint(str(tmp_path / "c")), explicit, OwnerSpy()],
+        max_epochs=1,
     )
     assert len(_ours(trainer)) == 3  # explicit, spy, and the entry point's
     trainer.fit(BNModel(), make_loader())
@@ -55,8 +65,8 @@ def test_stale_temp_files_of_a_crashed_run_are_removed_at_start(tmp_path):
     directory.mkdir()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(dead.stdout)
-    import socket
     import re
+    import socket
 
     host = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())
     stale = directory / f".epoch=0-step=3.ckpt.{host}.{dead_pid}.0123abcd{TEMP_SUFFIX}"

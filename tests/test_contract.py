@@ -25,7 +25,9 @@ def _fit_recording(tmp_path: str, every_n_train_steps: int, save_last: bool = Tr
     plugin = RecordingDataStatesIO(chunk_size="64KiB", eager_copy_size="1KiB")
     checkpoint_dir = os.path.join(tmp_path, "ckpt")
     trainer = make_trainer(
-        tmp_path, plugin, callbacks=[every_step_checkpoint(checkpoint_dir, every_n_train_steps=every_n_train_steps, save_last=save_last)],
+        tmp_path,
+        plugin,
+        callbacks=[every_step_checkpoint(checkpoint_dir, every_n_train_steps=every_n_train_steps, save_last=save_last)],
     )
     trainer.fit(BNModel(), make_loader())
     return plugin

@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from lightning_datastates import DataStatesIO
-from tests.conftest import BNModel, RecordingDataStatesIO, assert_bit_equal, every_step_checkpoint, make_loader, make_trainer
+from tests.conftest import (
+    BNModel,
+    RecordingDataStatesIO,
+    assert_bit_equal,
+    every_step_checkpoint,
+    make_loader,
+    make_trainer,
+)
 
 pytestmark = [
     pytest.mark.cuda,
@@ -55,8 +62,12 @@ def test_trainer_on_gpu_every_file_equals_state_at_save(tmp_path):
     torch.manual_seed(0)
     plugin = RecordingDataStatesIO(chunk_size="4MiB")
     trainer = make_trainer(
-        str(tmp_path), plugin, callbacks=[every_step_checkpoint(str(tmp_path / "ckpt"))], accelerator="gpu",
-        devices=1, deterministic=False,
+        str(tmp_path),
+        plugin,
+        callbacks=[every_step_checkpoint(str(tmp_path / "ckpt"))],
+        accelerator="gpu",
+        devices=1,
+        deterministic=False,
     )
     trainer.fit(BNModel(width=2048), make_loader(n=256, batch_size=32))
     assert len(plugin.recorded) >= 16

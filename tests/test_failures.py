@@ -67,7 +67,9 @@ def test_failed_write_keeps_the_previous_file_of_that_path(tmp_path, gated_write
 def test_unpicklable_checkpoint_raises_at_save_and_writes_nothing(tmp_path):
     plugin = DataStatesIO()
     with pytest.raises(CheckpointCaptureError, match="cannot be pickled"):
-        plugin.save_checkpoint({"state_dict": {}, "hook": lambda x: x, "lock": threading.Lock()}, str(tmp_path / "x.ckpt"))
+        plugin.save_checkpoint(
+            {"state_dict": {}, "hook": lambda x: x, "lock": threading.Lock()}, str(tmp_path / "x.ckpt")
+        )
     assert os.listdir(tmp_path) == []
     plugin.teardown()
 
@@ -162,9 +164,7 @@ _EXIT_SCRIPT = textwrap.dedent(
 
 def test_interpreter_exit_finishes_pending_writes(tmp_path):
     path = str(tmp_path / "exit.ckpt")
-    result = subprocess.run(
-        [sys.executable, "-c", _EXIT_SCRIPT, path], capture_output=True, text=True, timeout=120
-    )
+    result = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, path], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "pending at exit: True" in result.stdout
     loaded = torch.load(path, weights_only=True)

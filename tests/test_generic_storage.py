@@ -10,7 +10,14 @@ import torch
 from lightning_datastates import DataStatesIO
 from lightning_datastates.plugin import _path_str
 from lightning_datastates.storage.local import TEMP_SUFFIX
-from tests.conftest import BNModel, RecordingDataStatesIO, assert_bit_equal, every_step_checkpoint, make_loader, make_trainer
+from tests.conftest import (
+    BNModel,
+    RecordingDataStatesIO,
+    assert_bit_equal,
+    every_step_checkpoint,
+    make_loader,
+    make_trainer,
+)
 
 
 def test_trainer_round_trip_through_memory_filesystem(tmp_path, slow_copies):

@@ -23,10 +23,9 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
-
-from lightning_datastates import DataStatesIO
 from torch import nn
 
+from lightning_datastates import DataStatesIO
 from lightning_datastates.errors import CheckpointCaptureError
 from lightning_datastates.layout import (
     CheckpointLayout,

@@ -13,14 +13,13 @@ import random
 import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-import tempfile
 
 import pytest
 
@@ -83,7 +82,25 @@ def _memory_harness(tmp_path: Path) -> Harness:
     return Harness(GenericWriter("memory"), lambda name: f"memory://{root}/{name}", read, put, leftovers)
 
 
-HARNESSES = {"local": _local_harness, "memory": _memory_harness}
+def _s3_harness(tmp_path: Path) -> Harness:
+    """A real S3 API (moto's server on loopback) through the S3 multipart writer; skipped without s3fs/moto."""
+    from tests.s3_server import fresh_bucket, shared_server
+
+    env = fresh_bucket(shared_server())
+    from lightning_datastates.storage.s3 import S3Writer
+
+    writer = S3Writer(env.storage_options, retries=1, timeout_s=10)
+    root = f"{tmp_path.name}/ckpts"
+    return Harness(
+        writer,
+        lambda name: env.url(f"{root}/{name}"),
+        lambda path: env.read(env.key_of(path)),
+        lambda path, data: env.put(env.key_of(path), data),
+        env.open_uploads,
+    )
+
+
+HARNESSES = {"local": _local_harness, "memory": _memory_harness, "s3": _s3_harness}
 
 
 @pytest.fixture(params=list(HARNESSES))

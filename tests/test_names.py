@@ -18,13 +18,21 @@ def _run(root: str, plugin) -> tuple[list[str], list[tuple[str, str]]]:
     callbacks = [
         # A constant name: every save after the first picks a version suffix (-v1, -v2...) through fs.exists.
         ModelCheckpoint(
-            dirpath=directory, filename="fixed", monitor="train_loss", every_n_train_steps=1, save_top_k=-1,
+            dirpath=directory,
+            filename="fixed",
+            monitor="train_loss",
+            every_n_train_steps=1,
+            save_top_k=-1,
             save_last=True,
         ),
         # Top-k by a metric: worse checkpoints are removed while newer ones may still be in flight.
         ModelCheckpoint(
-            dirpath=directory, filename="{step}-{train_loss:.4f}", monitor="train_loss", save_top_k=2,
-            every_n_train_steps=1, mode="max",
+            dirpath=directory,
+            filename="{step}-{train_loss:.4f}",
+            monitor="train_loss",
+            save_top_k=2,
+            every_n_train_steps=1,
+            mode="max",
         ),
     ]
     trainer = make_trainer(root, plugin, callbacks=list(callbacks), max_epochs=2)  # Lightning extends the list

@@ -15,7 +15,12 @@ def _checkpoint(seed: int, megabytes: int = 4) -> dict:
     generator = torch.Generator().manual_seed(seed)
     weight = torch.randn(megabytes * 2**18, generator=generator)  # 4 bytes each
     return {
-        "state_dict": {"weight": weight, "tied": weight, "view": weight[10:20], "bias": torch.randn(7, generator=generator)},
+        "state_dict": {
+            "weight": weight,
+            "tied": weight,
+            "view": weight[10:20],
+            "bias": torch.randn(7, generator=generator),
+        },
         "epoch": seed,
         "hyper_parameters": {"name": f"run-{seed}", "sizes": (1, 2, 3)},
     }

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import difflib
+import functools
 import inspect
 import logging
 import math
@@ -69,6 +70,16 @@ _RETRYABLE_CODES = {
     "ServiceUnavailable",
     "XAmzContentSHA256Mismatch",
     "BadDigest",
+}
+
+#: botocore errors (matched by name: botocore is imported by s3fs, not here) that no retry can fix.
+_PERMANENT_ERRORS = {
+    "ParamValidationError",
+    "NoCredentialsError",
+    "PartialCredentialsError",
+    "NoRegionError",
+    "UnknownServiceError",
+    "InvalidConfigError",
 }
 
 #: Multipart uploads this process has open: ``clean_stale`` never aborts them, however old.
@@ -201,13 +212,14 @@ class S3WriteSession(WriteSession):
             if self._state == _ABORTED:
                 return  # aborted meanwhile: the part would only be refused
             self._queued += 1
-            future = asyncio.run_coroutine_threadsafe(self._upload_part(index, body), self._loop)
+            upload = self._upload_part(index, body, self.upload_id)
+            future = asyncio.run_coroutine_threadsafe(upload, self._loop)
             self._futures[index] = future
         # Outside the lock: a future already done runs the callback right here, and the callback takes the lock.
         future.add_done_callback(lambda done: self._part_done(index, done))
 
     # ------------------------------------------------------------------ event loop
-    async def _upload_part(self, index: int, body: bytes | bytearray) -> str | None:
+    async def _upload_part(self, index: int, body: bytes | bytearray, upload_id: str | None) -> str | None:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
@@ -222,7 +234,7 @@ class S3WriteSession(WriteSession):
                         "upload_part",
                         Bucket=self.bucket,
                         Key=self.key,
-                        UploadId=self.upload_id,
+                        UploadId=upload_id,
                         PartNumber=number,
                         Body=body,
                     ),
@@ -239,6 +251,7 @@ class S3WriteSession(WriteSession):
                 if error is not None:
                     if self._error is None and not self._aborting:
                         self._error = error
+                        self._aborting = True  # the commit cannot happen now: queued parts need not be sent
                 elif future.result() is not None:
                     self._etags[index] = future.result()  # type: ignore[assignment]
             self._cond.notify_all()
@@ -294,7 +307,7 @@ class S3WriteSession(WriteSession):
                 self._cond.notify_all()
             try:
                 self._abort_upload()
-            except Exception:  # noqa: BLE001 - the failure that stopped the commit is the one to raise
+            except Exception:  # the failure that stopped the commit is the one to raise
                 log.exception("lightning_datastates: could not abort the upload of %s", self.path)
             raise
         finally:
@@ -316,10 +329,10 @@ class S3WriteSession(WriteSession):
         self._abort_upload()
 
     def _abort_upload(self) -> None:
+        self._aborting = True  # queued parts return at once; failures from here on are expected
         upload_id, self.upload_id = self.upload_id, None
         if upload_id is None:
             return
-        self._aborting = True
         with self._cond:
             futures = list(self._futures.values())
         # Parts still running would land after the abort (S3 then keeps them, billed): cancel them and wait.
@@ -376,8 +389,8 @@ class S3Writer(StorageWriter):
     Args:
         storage_options: keyword arguments for ``s3fs.S3FileSystem`` (``endpoint_url``, ``key``, ``secret``, ...).
             Without them s3fs reads the standard AWS variables, ``AWS_ENDPOINT_URL`` included.
-        part_size_bytes: bytes per part (int or ``"64MiB"``; default 64 MiB), clamped to S3's limits.
-        max_concurrent_parts: parts uploaded (or ranges read) at once per checkpoint (default 16).
+        part_size_bytes: bytes per part (int or ``"64MiB"``; default 16 MiB), clamped to S3's limits.
+        max_concurrent_parts: parts uploaded (or ranges read) at once per checkpoint (default 8).
         retries: retries of each request after its first attempt, with exponential backoff (default 3).
         timeout_s: limit of one attempt of one request (default 120 s).
     """
@@ -386,8 +399,8 @@ class S3Writer(StorageWriter):
         self,
         storage_options: dict[str, Any] | None = None,
         *,
-        part_size_bytes: Size = 64 * MiB,
-        max_concurrent_parts: int = 16,
+        part_size_bytes: Size = 16 * MiB,
+        max_concurrent_parts: int = 8,
         retries: int = 3,
         timeout_s: float = 120.0,
     ) -> None:
@@ -484,7 +497,7 @@ class S3Writer(StorageWriter):
                 continue
             self._run(
                 f"aborting the stale upload of s3://{bucket}/{key}",
-                lambda: self._call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id),
+                functools.partial(self._call, "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id),
                 missing_ok=True,
             )
             removed.append(f"s3://{bucket}/{key}")
@@ -509,7 +522,7 @@ class S3Writer(StorageWriter):
             try:
                 self._run(
                     f"reading {path}",
-                    lambda: self._read_ranges(path, bucket, key, etag, memoryview(buffer)),
+                    functools.partial(self._read_ranges, path, bucket, key, etag, memoryview(buffer)),
                     retry=False,  # each range retries on its own
                 )
                 return buffer
@@ -540,7 +553,7 @@ class S3Writer(StorageWriter):
 
         tasks = [asyncio.ensure_future(read_range(s, min(s + step, size))) for s in range(0, size, step)]
         try:
-            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for task in done:
                 task.result()  # raises the first failure
         finally:
@@ -550,7 +563,9 @@ class S3Writer(StorageWriter):
 
     async def _get_range(self, bucket: str, key: str, etag: str, target: memoryview, start: int) -> None:
         stop = start + target.nbytes
-        response = await self._call("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{stop - 1}", IfMatch=etag)
+        response = await self._call(
+            "get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{stop - 1}", IfMatch=etag
+        )
         body = response["Body"]
         try:
             position = 0
@@ -579,7 +594,7 @@ class S3Writer(StorageWriter):
                 return await asyncio.wait_for(attempt(), self.timeout_s)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - classified below, always re-raised in the end
+            except Exception as exc:  # classified below, always re-raised in the end
                 if number == self.retries or not _retryable(exc):
                     kind = S3NotFoundError if isinstance(exc, FileNotFoundError) else S3WriteError
                     raise kind(f"{what} failed: {_describe(exc)}") from exc
@@ -747,9 +762,9 @@ def _retryable(exc: BaseException) -> bool:
     if error is not None:
         status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
         return status >= 500 or status in (408, 429) or error.response.get("Error", {}).get("Code") in _RETRYABLE_CODES
-    if isinstance(exc, (TypeError, ValueError, AttributeError, KeyError)) and not isinstance(exc, OSError):
-        return False  # a bug or bad parameters (botocore's ParamValidationError is a ValueError)
-    return True  # connection refused or reset, timeouts, truncated bodies
+    permanent = type(exc).__name__ in _PERMANENT_ERRORS  # bad parameters, no credentials: retrying cannot help
+    bug = isinstance(exc, (TypeError, ValueError, AttributeError, KeyError)) and not isinstance(exc, OSError)
+    return not (permanent or bug)  # retried: connection refused or reset, timeouts, truncated bodies
 
 
 def _describe(exc: BaseException) -> str:
@@ -758,7 +773,7 @@ def _describe(exc: BaseException) -> str:
         info = error.response.get("Error", {})
         status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         return f"{info.get('Code')} (HTTP {status}): {info.get('Message') or exc}"
-    if isinstance(exc, TimeoutError):
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):  # distinct classes before Python 3.11
         return "no answer within timeout_s"
     return f"{type(exc).__name__}: {exc}"
 
@@ -767,4 +782,3 @@ def _check_int(value: Any, name: str, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ConfigError(f"{name} must be an int from {low} to {high}, got {value!r}")
     return value
-

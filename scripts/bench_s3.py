@@ -1,0 +1,171 @@
+"""Upload and load times of one checkpoint file through S3Writer vs plain s3fs, against moto's server on loopback.
+
+    python3 scripts/bench_s3.py                       # 256 MiB, parts of 8 and 64 MiB, windows 1/4/8/16, 3 repeats
+    python3 scripts/bench_s3.py --size-mib 64 --repeats 1
+
+The server runs as its own process (``moto_server``), so it does not share the client's GIL. Every figure is the
+median of ``--repeats`` runs. Upload: ``S3Writer`` fed from a bytes buffer by 4 threads in 64 MiB ranges (as the
+engine's writer threads feed it), begin to complete, vs ``fs.pipe_file(key, data)`` with s3fs's defaults. Load:
+``reader.load_checkpoint`` (concurrent ranged GETs + ``torch.load`` from the buffer in place) vs
+``torch.load(fs.open(path, "rb"))``. Loopback moto is CPU-bound (the server parses and stores every byte, the
+client SHA-256-signs every payload over plain HTTP), so absolute numbers say little about real S3; the
+comparison between drivers on the same machine is the point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import io
+import os
+import resource
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+
+from lightning_datastates.reader import load_checkpoint
+from lightning_datastates.storage.s3 import S3Writer
+from tests.s3_server import MotoProcess, S3Env
+
+MiB = 1024**2
+FEED_BYTES = 64 * MiB
+FEED_THREADS = 4
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process used so far."""
+    if pid == os.getpid():
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Timing:
+    """Median wall time of repeated runs, with the CPU seconds the client and the server spent per run."""
+
+    server_pid = 0
+
+    def __init__(self, run: Callable[[], None], repeats: int, between: Callable[[], None]) -> None:
+        walls, client, server = [], [], []
+        for _ in range(repeats):
+            between()
+            cpu0, srv0, started = _cpu_s(os.getpid()), _cpu_s(self.server_pid), time.perf_counter()
+            run()
+            walls.append(time.perf_counter() - started)
+            client.append(_cpu_s(os.getpid()) - cpu0)
+            server.append(_cpu_s(self.server_pid) - srv0)
+        self.wall_s = statistics.median(walls)
+        self.client_cpu_s = statistics.median(client)
+        self.server_cpu_s = statistics.median(server)
+
+    def row(self, size_mib: int) -> str:
+        return f"{self.wall_s:.2f} | {size_mib / self.wall_s:.0f} | {self.client_cpu_s:.2f} | {self.server_cpu_s:.2f}"
+
+
+def _upload_with_writer(writer: S3Writer, path: str, data: bytes) -> None:
+    session = writer.begin(path, len(data))
+    view = memoryview(data)
+    ranges = [(offset, min(FEED_BYTES, len(data) - offset)) for offset in range(0, len(data), FEED_BYTES)]
+
+    def feed(mine: list[tuple[int, int]]) -> None:
+        for offset, size in mine:
+            session.write_range(offset, view[offset : offset + size])
+
+    threads = [threading.Thread(target=feed, args=(ranges[i::FEED_THREADS],)) for i in range(FEED_THREADS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    session.complete()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-mib", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument("--part-mib", type=int, nargs="+", default=[8, 64])
+    args = parser.parse_args()
+
+    server = MotoProcess().start()
+    assert server.process is not None
+    Timing.server_pid = server.process.pid
+    try:
+        env = S3Env(server.endpoint)
+        env.client.create_bucket(Bucket=env.bucket)
+        import s3fs
+
+        fs = s3fs.S3FileSystem(**env.storage_options, skip_instance_cache=True)
+        size = args.size_mib * MiB
+        data = os.urandom(size)
+        key, path = "bench/upload.bin", env.url("bench/upload.bin")
+
+        def clean() -> None:
+            for stale in env.keys("bench/"):
+                env.client.delete_object(Bucket=env.bucket, Key=stale)
+
+        print(
+            f"# {args.size_mib} MiB, median of {args.repeats}, moto_server subprocess on {server.endpoint}, "
+            f"{os.cpu_count()} CPUs"
+        )
+        print("| upload | part size | window | wall s | MiB/s | client CPU s | server CPU s |")
+        print("|---|---|---|---|---|---|---|")
+        fs.pipe_file(f"{env.bucket}/bench/warmup.bin", data[:MiB])  # build the client
+        baseline = Timing(lambda: fs.pipe_file(f"{env.bucket}/{key}", data), args.repeats, clean)
+        print(f"| s3fs pipe_file (defaults) | 50 MiB | 1 | {baseline.row(args.size_mib)} |")
+        # Build the clients and run each multipart call once (botocore loads them lazily); every writer below has
+        # the same storage options, so they all share these cached file systems.
+        for _ in range(2):
+            _upload_with_writer(S3Writer(env.storage_options, part_size_bytes=5 * MiB), path, data[: 11 * MiB])
+        for part_mib in args.part_mib:
+            for window in args.concurrency:
+                writer = S3Writer(env.storage_options, part_size_bytes=part_mib * MiB, max_concurrent_parts=window)
+                upload = functools.partial(_upload_with_writer, writer, path, data)
+                timing = Timing(upload, args.repeats, clean)
+                assert env.client.head_object(Bucket=env.bucket, Key=key)["ContentLength"] == size
+                print(f"| S3Writer | {part_mib} MiB | {window} | {timing.row(args.size_mib)} |")
+
+        # Load: a real checkpoint file of the same size.
+        clean()
+        buffer = io.BytesIO()
+        torch.save({"state_dict": {"w": torch.randn(size // 4)}}, buffer)
+        ckpt_key, ckpt_path = "bench/model.ckpt", env.url("bench/model.ckpt")
+        env.put(ckpt_key, buffer.getvalue())
+        env.put("bench/warmup.bin", b"w" * MiB)
+        del buffer
+        print()
+        print("| load | window (range size) | wall s | MiB/s | client CPU s | server CPU s |")
+        print("|---|---|---|---|---|---|")
+
+        def plain() -> None:
+            with fs.open(f"{env.bucket}/{ckpt_key}", "rb") as stream:
+                torch.load(stream, weights_only=True)
+
+        print(
+            f"| torch.load(fs.open(path, 'rb')) | - | {Timing(plain, args.repeats, lambda: None).row(args.size_mib)} |"
+        )
+        warm = S3Writer(env.storage_options)
+        warm.exists(ckpt_path)  # the metadata client
+        warm.read_bytes(env.url("bench/warmup.bin"))
+        for window in args.concurrency:
+            writer = S3Writer(env.storage_options, max_concurrent_parts=window)
+            ranges = f"{window} ({writer.read_range_bytes(size) // MiB} MiB)"
+            load = functools.partial(load_checkpoint, writer, ckpt_path, weights_only=True)
+            full = Timing(load, args.repeats, lambda: None)
+            raw = Timing(functools.partial(writer.read_bytes, ckpt_path), args.repeats, lambda: None)
+            print(f"| reader fast path: read_bytes + torch.load in place | {ranges} | {full.row(args.size_mib)} |")
+            print(f"| read_bytes alone | {ranges} | {raw.row(args.size_mib)} |")
+    finally:
+        server.kill()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,352 @@
+"""S3 through the multipart writer, against a real S3 API on loopback (moto's server; see tests/s3_server.py).
+
+The storage contract suite runs against S3 too (the "s3" harness of tests/test_local_storage.py); here is what is
+specific to S3: multipart parts, back-pressure, failures of the server (a vanished upload, SIGSTOP, SIGKILL), stale
+uploads, and the Trainer round trip on ``s3://`` URLs.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import random
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_datastates import CheckpointFlushError, DataStatesIO
+from lightning_datastates.errors import ConfigError
+from lightning_datastates.reader import BufferReader
+from lightning_datastates.storage import writer_for
+from lightning_datastates.storage.s3 import (
+    MAX_PART_BYTES,
+    MAX_PARTS,
+    MIN_PART_BYTES,
+    S3NotFoundError,
+    S3WriteError,
+    S3Writer,
+    plan_parts,
+)
+from tests.conftest import BNModel, RecordingDataStatesIO, assert_bit_equal, in_background, make_loader, make_trainer
+from tests.s3_server import (  # noqa: F401 - the *_fixture imports register the fixtures s3, moto_process, ...
+    fresh_bucket,
+    moto_process_fixture,
+    require_s3,
+    s3_endpoint_fixture,
+    s3_fixture,
+)
+from tests.test_local_storage import JOIN_S, _write_in_threads
+
+MiB = 1024**2
+P = 5 * MiB  # the smallest part S3 (and moto) accepts
+
+
+@pytest.fixture(autouse=True)
+def _needs_s3() -> None:
+    require_s3()
+
+
+def _writer(env, **tunables) -> S3Writer:
+    settings = {"part_size_bytes": P, "retries": 1, "timeout_s": 10.0}
+    settings.update(tunables)
+    return S3Writer(env.storage_options, **settings)
+
+
+@pytest.fixture
+def no_thread_escapes(monkeypatch):
+    """Collect exceptions that escape any thread (there must be none)."""
+    escaped: list = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: escaped.append(args.exc_value))
+    yield escaped
+    assert escaped == [], f"exceptions escaped threads: {escaped!r}"
+
+
+# ---------------------------------------------------------------------------------------------------- part plan (pure)
+def test_part_plan_respects_s3_limits():
+    assert plan_parts(0, P) == plan_parts(0, P) and plan_parts(0, P).count == 1 and not plan_parts(0, P).multipart
+    assert not plan_parts(P, P).multipart  # exactly one part: a single PutObject
+    plan = plan_parts(2 * P + 1, P)
+    assert (plan.count, plan.length(0), plan.length(2)) == (3, P, 1)
+    assert plan_parts(100, 1).part_bytes == MIN_PART_BYTES  # clamped up to 5 MiB
+    assert plan_parts(100, 10 * 1024**3).part_bytes == MAX_PART_BYTES  # clamped down to 5 GiB
+    huge = plan_parts(5 * 1024**4, 64 * MiB)  # 5 TiB: 64 MiB parts would be 81,920 parts
+    assert huge.count <= MAX_PARTS and huge.part_bytes % MiB == 0 and huge.part_bytes <= MAX_PART_BYTES
+    assert (huge.count - 1) * huge.part_bytes < huge.total_bytes <= huge.count * huge.part_bytes
+    with pytest.raises(ValueError, match="5 TiB"):
+        plan_parts(5 * 1024**4 + 1, 64 * MiB)
+
+
+# ---------------------------------------------------------------------------------------------------- multipart driver
+@pytest.mark.parametrize("seed", [0, 1])
+def test_multipart_out_of_order_ranges_from_threads(s3, seed):
+    rng = random.Random(seed)
+    data = rng.randbytes(2 * P + rng.randint(1, P))  # three parts, the last one short
+    writer = _writer(s3, max_concurrent_parts=2)
+    path = s3.url(f"run/seed{seed}.ckpt")
+    session = writer.begin(path, len(data))
+    assert session.upload_id is not None and s3.open_uploads() == [f"run/seed{seed}.ckpt"]
+    _write_in_threads(session, data, rng, threads=4)
+    assert s3.read(f"run/seed{seed}.ckpt") is None, "visible before complete"
+    session.complete()
+    assert s3.read(f"run/seed{seed}.ckpt") == data
+    assert s3.etag(f"run/seed{seed}.ckpt").strip('"').endswith("-3")  # a real three-part multipart upload
+
+
+def test_incomplete_parts_never_block_and_queued_parts_apply_back_pressure(moto_process):
+    server = moto_process.start()
+    env = fresh_bucket(server.endpoint, reset=False)
+    writer = _writer(env, max_concurrent_parts=1, timeout_s=30.0)
+    data = os.urandom(8 * P + 10)
+    view = memoryview(data)
+    path = env.url("bp.ckpt")
+    session = writer.begin(path, len(data))
+    started = time.monotonic()
+    for i in range(9):  # the first half of every part: nothing complete, nothing queued, nothing waits
+        session.write_range(i * P, view[i * P : i * P + min(P, len(data) - i * P) // 2])
+    server.pause()  # the server stops answering: uploads hang
+    try:
+        for i in range(3):  # complete three parts: one in flight, two queued (the limit is 2 * max_concurrent_parts)
+            session.write_range(i * P + P // 2, view[i * P + P // 2 : (i + 1) * P])
+        assert time.monotonic() - started < 5.0, "write_range waited although at most 3 parts were queued"
+        blocked = threading.Thread(target=session.write_range, args=(3 * P + P // 2, view[3 * P + P // 2 : 4 * P]))
+        blocked.start()
+        blocked.join(1.0)
+        assert blocked.is_alive(), "write_range did not wait with 3 parts queued behind a stalled server"
+    finally:
+        server.resume()
+    blocked.join(JOIN_S)
+    assert not blocked.is_alive()
+    for i in range(4, 9):
+        length = min(P, len(data) - i * P)
+        session.write_range(i * P + length // 2, view[i * P + length // 2 : i * P + length])
+    session.complete()
+    assert env.read("bp.ckpt") == data and env.etag("bp.ckpt").strip('"').endswith("-9")
+    assert env.open_uploads() == []
+
+
+def test_a_failed_part_names_the_path_and_abort_leaves_nothing(s3):
+    writer = _writer(s3)
+    s3.put("run/x.ckpt", b"earlier checkpoint")
+    path = s3.url("run/x.ckpt")
+    session = writer.begin(path, 3 * P)
+    s3.abort_all_uploads()  # the upload vanishes under the writer (a lifecycle rule, another process)
+    data = memoryview(os.urandom(3 * P))
+    with pytest.raises(S3WriteError) as raised:
+        for i in range(3):
+            session.write_range(i * P, data[i * P : (i + 1) * P])
+        session.complete()
+    assert path in str(raised.value) and "part" in str(raised.value)
+    session.abort()
+    session.abort()  # safe twice
+    assert s3.read("run/x.ckpt") == b"earlier checkpoint" and s3.open_uploads() == []
+
+
+def test_abort_with_parts_in_flight_leaves_no_open_upload(s3):
+    writer = _writer(s3, max_concurrent_parts=4)
+    path = s3.url("run/aborted.ckpt")
+    session = writer.begin(path, 5 * P)
+    data = memoryview(os.urandom(3 * P))
+    for i in range(3):
+        session.write_range(i * P, data[i * P : (i + 1) * P])  # three parts scheduled
+    session.abort()
+    assert s3.open_uploads() == [] and s3.read("run/aborted.ckpt") is None
+    with pytest.raises(RuntimeError):
+        session.write_range(3 * P, data[:P])
+    with pytest.raises(RuntimeError):
+        session.complete()
+
+
+def test_complete_refuses_a_file_with_holes(s3):
+    session = _writer(s3).begin(s3.url("holes.ckpt"), 2 * P)
+    session.write_range(0, memoryview(os.urandom(P)))
+    with pytest.raises(S3WriteError, match="never written"):
+        session.complete()
+    assert s3.open_uploads() == [] and s3.read("holes.ckpt") is None
+
+
+def test_begin_in_a_missing_bucket_fails_at_once_naming_the_path(s3):
+    writer = _writer(s3)
+    with pytest.raises(S3NotFoundError) as raised:
+        writer.begin("s3://no-such-bucket/run/x.ckpt", 3 * P)
+    assert "s3://no-such-bucket/run/x.ckpt" in str(raised.value) and isinstance(raised.value, OSError)
+
+
+# ---------------------------------------------------------------------------------------------------- other operations
+def test_remove_deletes_the_object_and_its_prefix_tree_only(s3):
+    for key in ("run/a.ckpt", "run/a.ckpt/shard_0", "run/a.ckpt/sub/.metadata", "run/a.ckpt2", "run/b.ckpt"):
+        s3.put(key, b"x")
+    writer = _writer(s3)
+    writer.remove(s3.url("run/a.ckpt"))
+    assert s3.keys() == ["run/a.ckpt2", "run/b.ckpt"]
+    writer.remove(s3.url("run/a.ckpt"))  # missing: fine
+    assert not writer.exists(s3.url("run/a.ckpt")) and writer.exists(s3.url("run/b.ckpt"))
+
+
+def test_clean_stale_aborts_old_foreign_uploads_in_the_directory_only(s3):
+    # moto dates every upload 2010-11-10: all look older than an hour, like uploads a crashed run left.
+    foreign = s3.client.create_multipart_upload(Bucket=s3.bucket, Key="run/crashed.ckpt")["UploadId"]
+    nested = s3.client.create_multipart_upload(Bucket=s3.bucket, Key="run/sub/other.ckpt")["UploadId"]
+    writer = _writer(s3)
+    mine = writer.begin(s3.url("run/inflight.ckpt"), 2 * P)  # this process's own upload: never touched
+    assert writer.clean_stale(s3.url("run")) == ["s3://bucket/run/crashed.ckpt"]
+    assert s3.open_uploads() == ["run/inflight.ckpt", "run/sub/other.ckpt"]
+    data = os.urandom(2 * P)
+    mine.write_range(0, memoryview(data))
+    mine.complete()
+    assert s3.read("run/inflight.ckpt") == data
+    s3.client.abort_multipart_upload(Bucket=s3.bucket, Key="run/sub/other.ckpt", UploadId=nested)
+    assert foreign and writer.clean_stale("s3://no-such-bucket/run") == []
+
+
+def test_read_bytes_fetches_ranges_concurrently_and_bit_exact(s3):
+    data = os.urandom(3 * 8 * MiB + 123)
+    s3.put("big.bin", data)
+    writer = _writer(s3, max_concurrent_parts=3)
+    assert writer.read_range_bytes(len(data)) == 8 * MiB  # four ranges
+    assert bytes(writer.read_bytes(s3.url("big.bin"))) == data
+    s3.put("empty.bin", b"")
+    assert writer.read_bytes(s3.url("empty.bin")) == bytearray()
+    with pytest.raises(FileNotFoundError):
+        writer.read_bytes(s3.url("missing.bin"))
+
+
+def test_buffer_reader_reads_seeks_and_loads_without_copying_the_buffer():
+    buffer = io.BytesIO()
+    state = {"w": torch.randn(1000), "step": 3}
+    torch.save(state, buffer)
+    raw = bytearray(buffer.getvalue())
+    reader = BufferReader(raw)
+    assert reader.read(2) == bytes(raw[:2]) and reader.tell() == 2
+    assert reader.seek(-3, os.SEEK_END) == len(raw) - 3 and reader.read() == bytes(raw[-3:])
+    assert reader.seek(0) == 0 and reader.seek(5, os.SEEK_CUR) == 5
+    with pytest.raises(ValueError):
+        reader.seek(-1)
+    reader.seek(0)
+    assert_bit_equal(torch.load(reader, weights_only=True), state)
+
+
+def test_writer_for_routes_s3_and_checks_options(s3):
+    assert isinstance(writer_for("s3://bucket/run/x.ckpt"), S3Writer)
+    assert isinstance(writer_for("s3a://bucket/run/x.ckpt"), S3Writer)
+    tuned = writer_for(
+        "s3://bucket/x", {"part_size_bytes": "8MiB", "max_concurrent_parts": 4, "retries": 0, "timeout_s": 5}
+    )
+    assert (tuned.part_size_bytes, tuned.max_concurrent_parts, tuned.retries, tuned.timeout_s) == (8 * MiB, 4, 0, 5.0)
+    with pytest.raises(ValueError, match="endpoint_url"):
+        writer_for("s3://bucket/x", {"endpont_url": "http://x"})
+    with pytest.raises(ConfigError, match="max_concurrent_parts"):
+        writer_for("s3://bucket/x", {"max_concurrent_parts": 0})
+    with pytest.raises(ConfigError, match="part_size_bytes"):
+        writer_for("s3://bucket/x", {"part_size_bytes": "lots"})
+
+
+def test_writer_for_s3_without_s3fs_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "s3fs", None)  # as if s3fs were not installed
+    with pytest.raises(ValueError, match=r"pip install lightning-datastates\[s3\]"):
+        writer_for("s3://bucket/x")
+
+
+# ---------------------------------------------------------------------------------------------------- the plugin
+def test_plugin_multipart_checkpoint_with_storage_options_instead_of_env(s3, monkeypatch, no_thread_escapes):
+    for name in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(name, raising=False)
+    options = {**s3.storage_options, "part_size_bytes": "5MiB", "max_concurrent_parts": 4}
+    plugin = DataStatesIO(storage_options=options, chunk_size="4MiB")
+    checkpoint = {"state_dict": {"w": torch.randn(4 * MiB), "b": torch.arange(10)}, "epoch": 1}  # ~16 MiB
+    path = s3.url("run/big.ckpt")
+    plugin.save_checkpoint(checkpoint, path)
+    plugin.drain()
+    plugin.raise_pending_failure()
+    size = s3.client.head_object(Bucket=s3.bucket, Key="run/big.ckpt")["ContentLength"]
+    assert size > 3 * P and s3.etag("run/big.ckpt").strip('"').endswith(f"-{math.ceil(size / P)}")
+    assert_bit_equal(plugin.load_checkpoint(path, weights_only=True), checkpoint)
+    with s3.client.get_object(Bucket=s3.bucket, Key="run/big.ckpt")["Body"] as body:  # a plain torch file
+        assert_bit_equal(torch.load(io.BytesIO(body.read()), weights_only=True), checkpoint)
+    plugin.remove_checkpoint(path)
+    assert s3.keys() == []
+
+
+def test_trainer_top_k_on_s3_matches_a_synchronous_run_bit_exact_and_resumes(s3, no_thread_escapes, tmp_path):
+    def checkpoint_callback(dirpath: str) -> ModelCheckpoint:
+        return ModelCheckpoint(dirpath=dirpath, every_n_train_steps=1, save_top_k=2, monitor="train_loss")
+
+    torch.manual_seed(0)
+    reference = make_trainer(
+        str(tmp_path / "sync"), None, callbacks=[checkpoint_callback("s3://bucket/sync")], max_epochs=1
+    )
+    reference.fit(BNModel(), make_loader())
+    expected_names = [key.rsplit("/", 1)[1] for key in s3.keys("sync/")]
+    assert len(expected_names) == 2
+
+    torch.manual_seed(0)
+    plugin = RecordingDataStatesIO(chunk_size="64KiB")
+    trainer = make_trainer(
+        str(tmp_path / "async"), plugin, callbacks=[checkpoint_callback("s3://bucket/run")], max_epochs=1
+    )
+    trainer.fit(BNModel(), make_loader())
+    assert [key.rsplit("/", 1)[1] for key in s3.keys("run/")] == expected_names
+    assert len(plugin.recorded) > 2  # saved only when in the top 2; the rest were removed
+    for path, expected in plugin.recorded.items():
+        if path.rsplit("/", 1)[1] in expected_names:
+            assert_bit_equal(plugin.load_checkpoint(path, weights_only=False), expected, path)
+        else:
+            assert s3.read(s3.key_of(path)) is None, f"top-k removal left {path}"
+
+    resumed = make_trainer(str(tmp_path / "resumed"), DataStatesIO(), max_epochs=2, enable_checkpointing=False)
+    resumed.fit(BNModel(), make_loader(), ckpt_path=f"s3://bucket/run/{expected_names[-1]}")
+    assert resumed.global_step == 16
+
+
+def _parts_received(env, key: str) -> int:
+    """Parts the server holds for the open upload of ``key`` (observed from outside, with the test's own client)."""
+    uploads = [u for u in env.client.list_multipart_uploads(Bucket=env.bucket).get("Uploads", []) if u["Key"] == key]
+    if not uploads:
+        return 0
+    return len(env.client.list_parts(Bucket=env.bucket, Key=key, UploadId=uploads[0]["UploadId"]).get("Parts", []))
+
+
+def test_server_killed_mid_upload_fails_loudly_and_the_plugin_recovers(moto_process, no_thread_escapes):
+    server = moto_process.start()
+    env = fresh_bucket(server.endpoint, reset=False)
+    options = {
+        **env.storage_options,
+        "part_size_bytes": "5MiB",
+        "max_concurrent_parts": 1,
+        "retries": 1,
+        "timeout_s": 3,
+    }
+    plugin = in_background(DataStatesIO(storage_options=options))  # as in training: the flush is pending
+    path = env.url("run/big.ckpt")
+    plugin.save_checkpoint({"state_dict": {"w": torch.randn(32 * MiB)}}, path)  # 128 MiB: ~26 parts, one at a time
+    deadline = time.monotonic() + 30
+    while _parts_received(env, "run/big.ckpt") == 0:  # kill mid-transfer: some parts stored, the rest to come
+        assert time.monotonic() < deadline and plugin.is_pending(path)
+        time.sleep(0.01)
+    server.kill()
+    killed = time.monotonic()
+    failure = None
+    while failure is None:
+        assert time.monotonic() - killed < 30, "the failure did not reach the training thread within 30 s"
+        try:
+            plugin.raise_pending_failure()
+        except CheckpointFlushError as exc:
+            failure = exc
+        time.sleep(0.05)
+    assert failure.path == path and path in str(failure) and isinstance(failure.__cause__, OSError)
+    assert "part" in str(failure.__cause__) and "part 1/" not in str(failure.__cause__)
+    plugin.drain()
+    plugin.raise_pending_failure()  # raised once: nothing more
+
+    server.start()  # the same port; moto lost every bucket and upload with the process
+    env = fresh_bucket(server.endpoint, reset=False)
+    small = {"state_dict": {"w": torch.randn(3 * MiB)}, "step": 2}  # 12 MiB: multipart again
+    plugin.save_checkpoint(small, path)
+    plugin.drain()
+    plugin.raise_pending_failure()
+    assert_bit_equal(plugin.load_checkpoint(path, weights_only=True), small)
+    assert env.open_uploads() == []
