@@ -14,7 +14,6 @@ import inspect
 import os
 import posixpath
 import tempfile
-import threading
 import time
 import uuid
 from typing import Any, BinaryIO
@@ -22,29 +21,20 @@ from typing import Any, BinaryIO
 import fsspec
 from fsspec.core import split_protocol
 
-from lightning_datastates.storage.base import StorageWriter, WriteSession
-from lightning_datastates.storage.local import FOREIGN_TEMP_AGE_S, TEMP_SUFFIX, write_all
+from lightning_datastates.storage.base import StorageWriter
+from lightning_datastates.storage.local import FOREIGN_TEMP_AGE_S, TEMP_SUFFIX, PositionalFileSession
 
 
-class GenericWriteSession(WriteSession):
+class GenericWriteSession(PositionalFileSession):
     """One checkpoint spooled locally, published by upload + move at ``complete``."""
 
     def __init__(self, fs: Any, path: str, remote_path: str) -> None:
-        self.path = path
+        fd, self._spool_path = tempfile.mkstemp(prefix="datastates-spool-")
+        super().__init__(path, fd)
         self._fs = fs
         self._remote_path = remote_path
         directory, name = posixpath.split(remote_path)
         self._remote_temp = posixpath.join(directory, f".{name}.{uuid.uuid4().hex[:8]}{TEMP_SUFFIX}")
-        fd, self._spool_path = tempfile.mkstemp(prefix="datastates-spool-")
-        self._fd: int | None = fd
-        self._lock = threading.Lock()
-
-    def write_range(self, offset: int, data: memoryview) -> None:
-        """Spool ``data`` at ``offset`` (thread-safe positional write)."""
-        fd = self._fd
-        if fd is None:
-            raise RuntimeError(f"write to {self.path} after its session ended")
-        write_all(fd, data, offset)
 
     def complete(self) -> None:
         """Upload the spool under a temporary name, then move it onto the final name."""
@@ -70,7 +60,7 @@ class GenericWriteSession(WriteSession):
             self._remove_remote_temp()
 
     def _close_spool(self) -> None:
-        fd, self._fd = self._fd, None
+        fd = self._take_fd()
         if fd is not None:
             os.close(fd)
 

@@ -46,12 +46,15 @@ def _host_tag() -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
 
 
-class LocalWriteSession(WriteSession):
-    """A checkpoint being written to a temporary file beside its final name."""
+class PositionalFileSession(WriteSession):
+    """A session whose ranges go into an open local file with ``os.pwrite`` (thread-safe, any order).
 
-    def __init__(self, path: str, temp_path: str, fd: int) -> None:
+    Subclasses publish the file in ``complete`` and discard it in ``abort``; :meth:`_take_fd` hands the
+    descriptor over exactly once, so a range written after the session ended fails loudly.
+    """
+
+    def __init__(self, path: str, fd: int) -> None:
         self.path = path
-        self.temp_path = temp_path
         self._fd: int | None = fd
         self._lock = threading.Lock()
 
@@ -62,10 +65,23 @@ class LocalWriteSession(WriteSession):
             raise RuntimeError(f"write to {self.path} after its session ended")
         write_all(fd, data, offset)
 
+    def _take_fd(self) -> int | None:
+        """The open descriptor, or None if already taken (call with ``_lock`` held)."""
+        fd, self._fd = self._fd, None
+        return fd
+
+
+class LocalWriteSession(PositionalFileSession):
+    """A checkpoint being written to a temporary file beside its final name."""
+
+    def __init__(self, path: str, temp_path: str, fd: int) -> None:
+        super().__init__(path, fd)
+        self.temp_path = temp_path
+
     def complete(self) -> None:
         """fsync the file, rename it onto the final name, fsync the directory."""
         with self._lock:
-            fd, self._fd = self._fd, None
+            fd = self._take_fd()
             if fd is None:
                 raise RuntimeError(f"{self.path}: session already ended")
             try:
@@ -78,7 +94,7 @@ class LocalWriteSession(WriteSession):
     def abort(self) -> None:
         """Close and delete the temporary file; the final name is untouched."""
         with self._lock:
-            fd, self._fd = self._fd, None
+            fd = self._take_fd()
             if fd is not None:
                 os.close(fd)
             try:
