@@ -158,14 +158,15 @@ class DataStatesCallback(Callback):
             self._plugin.raise_pending_failure()
 
     def _patch_file_exists(self, checkpoint_callback: ModelCheckpoint, plugin: DataStatesIO) -> None:
-        """Make ModelCheckpoint count pending checkpoints as existing, as they would with a synchronous save.
+        """Make ModelCheckpoint see files as a synchronous run would: pending saves exist, deferred removals don't.
 
         ModelCheckpoint picks version suffixes (``-v1``) by asking whether a file exists; a checkpoint still in
-        flight must count, or names would differ from a synchronous run.
+        flight must count, and one whose removal waits for newer checkpoints to land must not, or names would
+        differ from a synchronous run.
         """
 
         def file_exists(callback: ModelCheckpoint, filepath: Any, trainer: Trainer) -> bool:
-            local = bool(trainer.is_global_zero and (plugin.is_pending(filepath) or callback._fs.exists(filepath)))
+            local = bool(trainer.is_global_zero and plugin.counts_as_existing(filepath, callback._fs.exists(filepath)))
             return trainer.strategy.reduce_boolean_decision(local, all=False)
 
         checkpoint_callback.file_exists = types.MethodType(file_exists, checkpoint_callback)  # type: ignore[method-assign]

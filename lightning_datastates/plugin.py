@@ -122,11 +122,25 @@ class DataStatesIO(CheckpointIO):
         return load_checkpoint(self._writer(path), path, map_location=map_location, weights_only=weights_only)
 
     def remove_checkpoint(self, path: _PATH) -> None:
-        """Drop a pending write of ``path`` (or let a commit in progress end), then delete the file."""
+        """Drop a pending write of ``path`` (or let a commit in progress end), then delete the file.
+
+        The deletion waits (in the background) until every checkpoint saved before this call is committed, and
+        is dropped if one of them fails: ModelCheckpoint removes the previous best right after saving the new
+        one, which must not leave the run without a checkpoint.
+        """
         path = _path_str(path)
-        if self._engine is not None:
-            self._engine.cancel_path(path)
-        self._writer(path).remove(path)
+        writer = self._writer(path)
+        if self._engine is None:
+            writer.remove(path)
+            return
+        self._engine.remove_after_pending(path, lambda: writer.remove(path))
+
+    def counts_as_existing(self, path: _PATH, exists: bool) -> bool:
+        """Whether ModelCheckpoint should see ``path`` as existing, as after a synchronous save or removal."""
+        path = _path_str(path)
+        if self._engine is None:
+            return exists
+        return (exists or self._engine.is_pending(path)) and not self._engine.is_removal_deferred(path)
 
     def teardown(self) -> None:
         """Finish every pending write and stop the threads (they restart if the plugin is used again).

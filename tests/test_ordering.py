@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 import threading
 
+import pytest
 import torch
 
-from lightning_datastates import DataStatesIO
+from lightning_datastates import CheckpointFlushError, DataStatesIO
 from tests.conftest import GatedWriter, assert_bit_equal, in_background, temp_files
 
 
@@ -58,18 +59,37 @@ def test_remove_of_pending_path_leaves_nothing(tmp_path, gated_writer):
     plugin.teardown()
 
 
-def test_remove_of_committed_path_while_another_is_pending(tmp_path, gated_writer):
+def test_remove_waits_for_the_newer_checkpoint_to_land(tmp_path, gated_writer):
+    """Top-k: the old best is deleted only once the newer checkpoint is committed."""
     plugin = in_background(DataStatesIO())
     first, second = str(tmp_path / "first.ckpt"), str(tmp_path / "second.ckpt")
     plugin.save_checkpoint(_checkpoint(1), first)
     plugin.drain()
     gated_writer.gate.clear()
     plugin.save_checkpoint(_checkpoint(2), second)
-    plugin.remove_checkpoint(first)  # must not wait for, nor disturb, the other path
-    assert not os.path.exists(first)
+    plugin.remove_checkpoint(first)  # returns at once: no wait for the other path
+    assert os.path.exists(first)  # still the only complete checkpoint on disk
+    assert not plugin.counts_as_existing(first, os.path.exists(first))  # ModelCheckpoint sees it removed
     gated_writer.gate.set()
     plugin.drain()
+    assert not os.path.exists(first)
     assert_bit_equal(torch.load(second, weights_only=True), _checkpoint(2))
+    plugin.teardown()
+
+
+def test_remove_is_dropped_when_the_newer_checkpoint_fails(tmp_path, gated_writer):
+    plugin = in_background(DataStatesIO())
+    first, second = str(tmp_path / "first.ckpt"), str(tmp_path / "second.ckpt")
+    plugin.save_checkpoint(_checkpoint(1), first)
+    plugin.drain()
+    gated_writer.fail_on_write = gated_writer.writes + 1
+    plugin.save_checkpoint(_checkpoint(2), second)
+    plugin.remove_checkpoint(first)
+    plugin.drain()
+    with pytest.raises(CheckpointFlushError):
+        plugin.raise_pending_failure()
+    assert not os.path.exists(second)
+    assert_bit_equal(torch.load(first, weights_only=True), _checkpoint(1))  # the last good checkpoint is kept
     plugin.teardown()
 
 

@@ -61,6 +61,8 @@ class SnapshotEngine:
         self._active: list[SnapshotJob] = []  # not yet finished, in capture order
         self._latest_by_path: dict[str, SnapshotJob] = {}
         self._failures: deque[SnapshotJob] = deque()  # failed, not yet reported
+        # path -> (jobs to wait for, remove callable): removals held back until earlier checkpoints landed
+        self._deferred_removals: dict[str, tuple[list[SnapshotJob], Callable[[], None]]] = {}
         self._copy_queue: queue.Queue[SnapshotJob] = queue.Queue()
         self._write_queue: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self._threads: list[threading.Thread] = []
@@ -112,6 +114,14 @@ class SnapshotEngine:
             session.abort()  # nothing was scheduled: leave no temporary file behind
             raise
         with self._lock:
+            # Threads first (starting one can fail): nothing is registered yet, so a failure leaves no job
+            # behind. Registering and queueing under the same lock means no thread retires in between.
+            try:
+                self._start_missing_threads()
+            except BaseException:
+                session.abort()
+                raise
+            self._deferred_removals.pop(path, None)  # saved again: the new file replaces the old one anyway
             predecessor = self._latest_by_path.get(path)
             if predecessor is not None and not predecessor.finished.is_set():
                 # A newer save of the same path supersedes the pending one; it commits only after that one ended.
@@ -121,9 +131,7 @@ class SnapshotEngine:
             self._latest_by_path[path] = job
             self._active.append(job)
             self.history.append(job.stats)
-        self._ensure_threads()
-        self._write_queue.put(("metadata", job))
-        self._copy_queue.put(job)
+            self._copy_queue.put(job)  # the copier queues the metadata write: one hand-over, nothing half-queued
         (job.eager_copied if lazy is not None else job.copied).wait()
         return job.stats
 
@@ -164,6 +172,30 @@ class SnapshotEngine:
         if job is not None and not job.finished.is_set():
             job.cancel_requested = True
             job.finished.wait()
+
+    def remove_after_pending(self, path: str, remove: Callable[[], None]) -> None:
+        """Remove ``path`` (by calling ``remove``) once every checkpoint captured so far is committed.
+
+        ModelCheckpoint removes the old top-k file right after saving the new one; deleting it before the new
+        one is durable would leave no checkpoint if the new write failed or the process died. A pending write of
+        ``path`` itself is cancelled first. If one of the awaited checkpoints fails (or one failed already and is
+        not yet reported), the file is kept.
+        """
+        self.cancel_path(path)
+        with self._lock:
+            if self._failures:  # a newer checkpoint already failed (not yet reported): keep this one
+                log.warning("lightning_datastates: keeping %s, which was to be removed: a newer write failed", path)
+                return
+            waiting = [job for job in self._active if not job.settled]
+            if waiting:
+                self._deferred_removals[path] = (waiting, remove)
+                return
+        remove()
+
+    def is_removal_deferred(self, path: str) -> bool:
+        """Whether ``path`` is removed already as far as the caller knows, but kept until earlier writes land."""
+        with self._lock:
+            return path in self._deferred_removals
 
     def drain(self) -> None:
         """Wait until every pending checkpoint is committed or dropped."""
@@ -233,17 +265,17 @@ class SnapshotEngine:
             log.info("lightning_datastates: host arena of %.1f MiB allocated", self.arena.size_bytes / 2**20)
         return self.arena
 
-    def _ensure_threads(self) -> None:
-        with self._lock:
-            self._threads = [t for t in self._threads if t.is_alive()]
-            names = {t.name for t in self._threads}
-            wanted = {"datastates-copier": self._copy_loop}
-            wanted.update({f"datastates-writer-{i}": self._write_loop for i in range(self.config.writer_threads)})
-            for name, target in wanted.items():
-                if name not in names:
-                    thread = threading.Thread(target=target, name=name, daemon=False)
-                    thread.start()
-                    self._threads.append(thread)
+    def _start_missing_threads(self) -> None:
+        """Start the copier and writer threads that are not running (call with ``_lock`` held)."""
+        self._threads = [t for t in self._threads if t.is_alive()]
+        names = {t.name for t in self._threads}
+        wanted = {"datastates-copier": self._copy_loop}
+        wanted.update({f"datastates-writer-{i}": self._write_loop for i in range(self.config.writer_threads)})
+        for name, target in wanted.items():
+            if name not in names:
+                thread = threading.Thread(target=target, name=name, daemon=False)
+                thread.start()
+                self._threads.append(thread)
 
     def _retire_if_idle(self, own_queue: queue.Queue[Any], idle_since: float) -> bool:
         """Whether the calling thread should end: nothing pending and the engine closing, the interpreter
@@ -274,6 +306,7 @@ class SnapshotEngine:
             idle_since = time.monotonic()
 
     def _copy_job(self, job: SnapshotJob) -> None:
+        self._write_queue.put(("metadata", job))
         try:
             for chunk in job.eager_chunks:
                 self._copy_chunk(job, chunk)
@@ -360,6 +393,11 @@ class SnapshotEngine:
         job.stats.durable_s = time.perf_counter() - job.stats.started_at
         if job.error is not None:
             log.debug("lightning_datastates: writing %s failed", job.path, exc_info=job.error)
+        for path, remove in self._settle_removals(job):
+            try:
+                remove()
+            except Exception:  # noqa: BLE001 - a file left behind is logged; it costs no checkpoint
+                log.exception("lightning_datastates: could not remove %s", path)
         with self._lock:
             if job.error is not None:
                 self._failures.append(job)
@@ -370,6 +408,31 @@ class SnapshotEngine:
             job.finished.set()
         if successor is not None:
             successor.release()  # the next save of this path may commit now
+
+    def _settle_removals(self, job: SnapshotJob) -> list[tuple[str, Callable[[], None]]]:
+        """Mark ``job`` settled; return the deferred removals it was the last to hold back.
+
+        A failed job drops the removals waiting for it: the file to remove may be the last good checkpoint.
+        """
+        due = []
+        with self._lock:
+            job.settled = True
+            for path, (waiting, remove) in list(self._deferred_removals.items()):
+                if job not in waiting:
+                    continue
+                if job.state is JobState.FAILED:
+                    del self._deferred_removals[path]
+                    log.warning(
+                        "lightning_datastates: keeping %s, which was to be removed, because writing %s failed",
+                        path,
+                        job.path,
+                    )
+                    continue
+                waiting.remove(job)
+                if not waiting:
+                    del self._deferred_removals[path]
+                    due.append((path, remove))
+        return due
 
 
 def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:

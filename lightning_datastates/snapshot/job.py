@@ -77,6 +77,7 @@ class SnapshotJob:
     # save to the same path, which must finish first so saves to one path land in order).
     outstanding: int = 1
     successor: SnapshotJob | None = None
+    settled: bool = False  # past its commit or abort: deferred removals no longer wait for it
     lock: threading.Lock = field(default_factory=threading.Lock)
     on_ready: Callable[[SnapshotJob], None] | None = None
 

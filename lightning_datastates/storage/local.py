@@ -89,7 +89,14 @@ class LocalWriteSession(PositionalFileSession):
             finally:
                 os.close(fd)
             os.replace(self.temp_path, self.path)  # atomic: readers see the old file or the new one, whole
-            _fsync_directory(os.path.dirname(self.path) or ".")  # make the rename itself durable
+            try:
+                _fsync_directory(os.path.dirname(self.path) or ".")  # make the rename itself durable
+            except OSError as exc:
+                raise OSError(
+                    exc.errno,
+                    f"{self.path} was published, but fsync of its directory failed ({exc.strerror}): "
+                    "the rename may not survive a power loss",
+                ) from exc
 
     def abort(self) -> None:
         """Close and delete the temporary file; the final name is untouched."""
