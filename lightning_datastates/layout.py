@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from lightning_datastates.streams import PositionedReader
+
 
 class LayoutUnsupported(Exception):
     """The out-of-order layout cannot be trusted for this checkpoint; write it with a plain ``torch.save``."""
@@ -178,29 +180,13 @@ class _LayoutSink:
         pass
 
 
-class _SparseReader(io.RawIOBase):
+class _SparseReader(PositionedReader):
     """A read-only view of a planned file: metadata segments where planned, zeros in the holes."""
 
     def __init__(self, segments: tuple[tuple[int, bytes], ...], size: int) -> None:
-        super().__init__()
+        super().__init__(size)
         self._segments = segments
         self._starts = [offset for offset, _ in segments]
-        self._size = size
-        self._position = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._size}[whence]
-        self._position = base + offset
-        return self._position
-
-    def tell(self) -> int:
-        return self._position
 
     def readinto(self, buffer: Any) -> int:
         count = max(0, min(len(buffer), self._size - self._position))

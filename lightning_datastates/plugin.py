@@ -94,9 +94,8 @@ class DataStatesIO(CheckpointIO):
         try:
             if directory not in self._cleaned_directories:
                 self.clean_stale(directory)
-            stats = self.engine.capture(
-                checkpoint, path, writer, owner.lazy_predicate() if in_training_loop and owner else None
-            )
+            lazy = owner.lazy_predicate() if owner is not None and in_training_loop else None
+            stats = self.engine.capture(checkpoint, path, writer, lazy)
         except OSError as exc:
             raise CheckpointFlushError(f"cannot write checkpoint {path}: {exc}", path) from exc
         if not in_training_loop:

@@ -7,8 +7,6 @@ through their storage writer's file system, with the plugin's ``storage_options`
 
 from __future__ import annotations
 
-import io
-import os
 from typing import Any
 
 import torch
@@ -16,6 +14,7 @@ from lightning.fabric.utilities.cloud_io import _load as pl_load
 
 from lightning_datastates.storage import LocalWriter, StorageWriter, local_path
 from lightning_datastates.storage.s3 import S3Writer
+from lightning_datastates.streams import PositionedReader
 
 
 def load_checkpoint(
@@ -38,38 +37,20 @@ def load_checkpoint(
         return torch.load(stream, map_location=map_location, weights_only=weights_only)
 
 
-class BufferReader(io.RawIOBase):
+class BufferReader(PositionedReader):
     """A seekable binary reader over a ``bytearray`` without copying it (``io.BytesIO`` copies a bytearray)."""
 
     def __init__(self, buffer: bytearray) -> None:
-        super().__init__()
         self._view = memoryview(buffer)
-        self._position = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
+        super().__init__(self._view.nbytes)
 
     def readinto(self, target: Any) -> int:
         """Copy up to ``len(target)`` bytes from the current position into ``target``."""
         out = memoryview(target).cast("B")
-        count = max(0, min(out.nbytes, self._view.nbytes - self._position))
+        count = max(0, min(out.nbytes, self._size - self._position))
         out[:count] = self._view[self._position : self._position + count]
         self._position += count
         return count
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        """Move to ``offset`` from the start, the current position or the end (``whence`` as ``io``)."""
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._position, os.SEEK_END: self._view.nbytes}[whence]
-        if base + offset < 0:
-            raise ValueError(f"negative seek position {base + offset}")
-        self._position = base + offset
-        return self._position
-
-    def tell(self) -> int:
-        return self._position
 
     def close(self) -> None:
         self._view.release()

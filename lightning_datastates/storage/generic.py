@@ -21,6 +21,7 @@ from typing import Any, BinaryIO
 import fsspec
 from fsspec.core import split_protocol
 
+from lightning_datastates.errors import ConfigError
 from lightning_datastates.storage.base import StorageWriter
 from lightning_datastates.storage.local import FOREIGN_TEMP_AGE_S, TEMP_SUFFIX, PositionalFileSession
 
@@ -129,13 +130,12 @@ class GenericWriter(StorageWriter):
         return removed
 
 
-def check_storage_options(protocol: str, options: dict[str, Any]) -> None:
-    """Reject option names the protocol's file system does not declare (fsspec would ignore them silently).
+#: Keys fsspec's own layer takes for every file system (passed on through ``**kwargs``, so no signature shows them).
+FSSPEC_KEYS = frozenset({"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths"})
 
-    Raises:
-        ValueError: naming the unknown key, the closest accepted one, and ``storage_options``.
-    """
-    cls = fsspec.get_filesystem_class(protocol)
+
+def declared_options(cls: type) -> set[str]:
+    """Keyword options the ``__init__`` methods of ``cls`` and its bases declare (``*args``/``**kwargs`` excluded)."""
     accepted: set[str] = set()
     for klass in cls.__mro__:
         init = klass.__dict__.get("__init__")
@@ -144,16 +144,36 @@ def check_storage_options(protocol: str, options: dict[str, Any]) -> None:
         for name, parameter in inspect.signature(init).parameters.items():
             if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY) and name != "self":
                 accepted.add(name)
-    if not accepted - {"args", "kwargs", "storage_options"}:
-        return  # the file system declares nothing: it takes any option
+    return accepted - {"args", "kwargs", "storage_options"}
+
+
+def reject_unknown_options(options: dict[str, Any], accepted: set[str], owner: str, suggest: set[str]) -> None:
+    """Raise for the first key of ``options`` not in ``accepted``, suggesting the closest of ``suggest``.
+
+    Raises:
+        ConfigError: naming the key, ``owner`` (what would have taken it), the closest name, and the fix.
+    """
     for key in options:
         if key not in accepted:
-            close = difflib.get_close_matches(key, sorted(accepted), n=1)
+            close = difflib.get_close_matches(key, sorted(suggest), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(
-                f"storage_options key {key!r} is not an option of {cls.__name__} for {protocol}://{hint}; "
-                f"fix DataStatesIO(storage_options=...)"
+            raise ConfigError(
+                f"storage_options key {key!r} is not an option of {owner}{hint}; fix DataStatesIO(storage_options=...)"
             )
+
+
+def check_storage_options(protocol: str, options: dict[str, Any]) -> None:
+    """Reject option names the protocol's file system does not take (fsspec would ignore them silently).
+
+    Raises:
+        ConfigError: naming the unknown key, the closest accepted one, and ``storage_options``.
+    """
+    cls = fsspec.get_filesystem_class(protocol)
+    declared = declared_options(cls)
+    if not declared:
+        return  # the file system declares nothing: it takes any option
+    accepted = declared | FSSPEC_KEYS
+    reject_unknown_options(options, accepted, f"{cls.__name__} for {protocol}://", accepted)
 
 
 def protocol_of(path: str) -> str | None:

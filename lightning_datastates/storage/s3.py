@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import difflib
 import functools
-import inspect
 import logging
 import math
 import os
@@ -42,6 +40,7 @@ import fsspec.asyn
 from lightning_datastates.config import Size, parse_size
 from lightning_datastates.errors import ConfigError
 from lightning_datastates.storage.base import StorageWriter, WriteSession
+from lightning_datastates.storage.generic import FSSPEC_KEYS, declared_options, reject_unknown_options
 from lightning_datastates.storage.local import FOREIGN_TEMP_AGE_S
 
 log = logging.getLogger("lightning_datastates")
@@ -56,8 +55,6 @@ MAX_OBJECT_BYTES = 5 * 1024**4
 STALE_UPLOAD_AGE_S = FOREIGN_TEMP_AGE_S
 #: Settings of the writer itself, accepted in ``storage_options`` beside the s3fs options.
 TUNABLES = ("part_size_bytes", "max_concurrent_parts", "retries", "timeout_s")
-#: Keys the fsspec layer under s3fs takes (s3fs passes them on through ``**kwargs``); ``profile`` goes to the session.
-_FSSPEC_KEYS = {"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths", "profile"}
 #: s3fs options that would break the synchronous driver.
 _REJECTED_KEYS = {"asynchronous", "loop"}
 _BACKOFF_S = 0.2
@@ -684,25 +681,19 @@ def check_s3_options(options: dict[str, Any]) -> None:
     """Reject keys ``s3fs.S3FileSystem`` would not understand (they would be passed on and ignored, or fail late).
 
     Raises:
-        ValueError: naming the key, the closest accepted one, and ``storage_options``.
+        ConfigError: naming the key, the closest accepted one, and ``storage_options``.
     """
     s3fs = import_s3fs()
-
-    accepted = {
-        name
-        for name, parameter in inspect.signature(s3fs.S3FileSystem.__init__).parameters.items()
-        if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY) and name != "self"
-    } | _FSSPEC_KEYS
     for key in options:
         if key in _REJECTED_KEYS:
             raise ConfigError(f"storage_options key {key!r} is not supported for s3://; remove it from storage_options")
-        if key not in accepted:
-            close = difflib.get_close_matches(key, sorted(accepted | set(TUNABLES)), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(
-                f"storage_options key {key!r} is not an option of s3fs.S3FileSystem nor of the S3 writer "
-                f"({', '.join(TUNABLES)}){hint}; fix DataStatesIO(storage_options=...)"
-            )
+    accepted = declared_options(s3fs.S3FileSystem) | FSSPEC_KEYS | {"profile"}  # profile: passed to the session
+    reject_unknown_options(
+        options,
+        accepted,
+        f"s3fs.S3FileSystem nor of the S3 writer ({', '.join(TUNABLES)})",
+        accepted | set(TUNABLES),
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- file systems
