@@ -25,6 +25,7 @@ from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 
 from lightning_datastates.plugin import DataStatesIO
 from lightning_datastates.snapshot.engine import LazyPredicate
+from lightning_datastates.strategies import warn_if_bypassed
 
 log = logging.getLogger("lightning_datastates")
 
@@ -49,6 +50,7 @@ class DataStatesCallback(Callback):
         if plugin is None or not plugin.attach(self):
             return
         self._plugin, self._trainer = plugin, trainer
+        warn_if_bypassed(trainer.strategy)  # sharded FSDP, DeepSpeed, ...: their saves never reach the plugin
         # Run our hooks first, so the barrier precedes other callbacks' mutations (SWA at epoch start, ...).
         if trainer.callbacks and trainer.callbacks[0] is not self and self in trainer.callbacks:
             trainer.callbacks.remove(self)

@@ -1,0 +1,161 @@
+"""A two-process CPU (gloo) run with DataStatesIO, launched by tests/test_strategies.py.
+
+``python tests/ddp_script.py OUT {ddp,ddp_spawn}`` (``BROKEN_DRAIN=1`` in the environment: see below)
+
+* ``ddp``: Lightning relaunches this script for rank 1. Both ranks fit (a checkpoint every step, top-2 by step,
+  plus last.ckpt), then ``validate(ckpt_path="best")`` and ``fit(ckpt_path="last")`` in the same processes: every
+  rank loads files that rank 0 wrote moments before. Each rank reports to ``OUT/rank<r>.json`` whether it ever
+  built an engine or ran engine threads, and saves what it loaded to ``OUT/rank<r>-*.pt``.
+* ``ddp_spawn``: workers are spawned with the pickled plugin; after fit the parent holds the weights that rank 0
+  saved after ``Strategy.teardown`` (Lightning's bare state dict in a temporary file); it saves them to
+  ``OUT/parent-weights.pt``.
+
+Writes are slowed (every range waits 50 ms) so flushes are still running when fit ends. ``--broken`` turns off
+the plugin's draining (at fit end and teardown) to show that the test catches a rank reading an unfinished file.
+Both are set up when this module is imported, so spawned workers (which import it as ``__mp_main__``) get them too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import threading
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from lightning_datastates import DataStatesIO
+from tests.conftest import BNModel, GatedWriter, make_loader
+from tests.script_support import ReferenceRecordingIO, datastates_threads, write_json
+
+WRITE_DELAY_S = 0.05
+
+
+class RankProbe(Callback):
+    """Records, on each rank, whether the plugin ever built an engine or ran threads there."""
+
+    def __init__(self, plugin: DataStatesIO) -> None:
+        self.plugin = plugin
+        self.engine_seen = False
+        self.threads_seen: set[str] = set()
+        self.restored: dict[str, torch.Tensor] | None = None
+
+    def _look(self) -> None:
+        self.engine_seen |= self.plugin._engine is not None
+        self.threads_seen.update(datastates_threads())
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        self._look()
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._look()
+        if trainer.ckpt_path is not None:  # the second fit: what this rank restored
+            self.restored = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+            self.restored.update(
+                {f"optimizer.{k}": v for k, v in _flat_optimizer_state(trainer.optimizers[0]).items()}
+            )
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._look()
+
+
+def _flat_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    flat = {}
+    for index, state in optimizer.state_dict()["state"].items():
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor):
+                flat[f"{index}.{name}"] = value.detach().clone()
+    return flat
+
+
+def _slow_writes() -> None:
+    writer = GatedWriter(delay_s=WRITE_DELAY_S)
+    import lightning_datastates.plugin as plugin_module
+
+    plugin_module.writer_for = lambda path, storage_options=None: writer  # type: ignore[assignment]
+
+
+def _break_draining() -> None:
+    DataStatesIO.drain = lambda self: None  # type: ignore[method-assign]
+    DataStatesIO.teardown = lambda self: None  # type: ignore[method-assign]
+
+
+def _trainer(out: str, strategy: str, plugin: DataStatesIO, probe: RankProbe, max_epochs: int) -> L.Trainer:
+    checkpoint = ModelCheckpoint(
+        dirpath=os.path.join(out, "ckpt"), every_n_train_steps=1, save_top_k=2, monitor="step", mode="max",
+        save_last=True,
+    )
+    return L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=2, max_epochs=max_epochs, plugins=[plugin],
+        callbacks=[checkpoint, probe], logger=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, default_root_dir=out, deterministic=True,
+    )
+
+
+def run_ddp(out: str) -> None:
+    torch.manual_seed(0)
+    plugin = ReferenceRecordingIO(os.path.join(out, "ref"), chunk_size="16KiB")
+    probe = RankProbe(plugin)
+    trainer = _trainer(out, "ddp", plugin, probe, max_epochs=2)
+    model = BNModel(width=64)
+    trainer.fit(model, make_loader(), make_loader(n=16))
+    rank = trainer.global_rank
+    best, last = trainer.checkpoint_callback.best_model_path, trainer.checkpoint_callback.last_model_path
+
+    if rank == 0:  # what fit left (the second fit replaces it), and the references it must equal
+        shutil.copytree(os.path.join(out, "ckpt"), os.path.join(out, "fit1", "ckpt"))
+        shutil.copytree(os.path.join(out, "ref"), os.path.join(out, "fit1", "ref"))
+    # Right after fit, in the same processes: every rank loads what rank 0 has just written.
+    trainer.validate(model, make_loader(n=16), ckpt_path="best", verbose=False)
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out, f"rank{rank}-best.pt"))
+    trainer.fit_loop.max_epochs = 3
+    trainer.fit(model, make_loader(), make_loader(n=16), ckpt_path="last")
+    assert probe.restored is not None
+    torch.save(probe.restored, os.path.join(out, f"rank{rank}-last.pt"))
+
+    write_json(
+        os.path.join(out, f"rank{rank}.json"),
+        {
+            "rank": rank,
+            "best": os.path.basename(best),
+            "last": os.path.basename(last),
+            "engine_seen": probe.engine_seen,
+            "threads_seen": sorted(probe.threads_seen),
+            "threads_at_end": datastates_threads(),
+        },
+    )
+
+
+def run_ddp_spawn(out: str) -> None:
+    torch.manual_seed(0)
+    plugin = ReferenceRecordingIO(os.path.join(out, "ref"), chunk_size="16KiB")
+    probe = RankProbe(plugin)
+    trainer = _trainer(out, "ddp_spawn", plugin, probe, max_epochs=1)
+    model = BNModel(width=64)
+    trainer.fit(model, make_loader(), make_loader(n=16))
+    # The parent loaded the weights rank 0 saved after teardown, through its own (unpickled) plugin.
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out, "parent-weights.pt"))
+    write_json(
+        os.path.join(out, "parent.json"),
+        {"engine_in_parent": plugin._engine is not None, "threads_in_parent": datastates_threads()},
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("strategy", choices=["ddp", "ddp_spawn"])
+    args = parser.parse_args()
+    (run_ddp if args.strategy == "ddp" else run_ddp_spawn)(args.out)
+    print(f"done rank={os.environ.get('LOCAL_RANK', 'parent')} threads={threading.active_count()}", flush=True)
+
+
+_slow_writes()
+if os.environ.get("BROKEN_DRAIN") == "1":
+    _break_draining()
+
+if __name__ == "__main__":
+    sys.exit(main())
