@@ -19,6 +19,7 @@ from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
 
 from lightning_datastates.config import DataStatesConfig, Size
 from lightning_datastates.errors import CheckpointFlushError
+from lightning_datastates.interrupts import sigint_deferred
 from lightning_datastates.reader import load_checkpoint
 from lightning_datastates.snapshot.engine import SnapshotEngine
 from lightning_datastates.snapshot.job import SnapshotStats
@@ -95,7 +96,8 @@ class DataStatesIO(CheckpointIO):
             if directory not in self._cleaned_directories:
                 self.clean_stale(directory)
             lazy = owner.lazy_predicate() if owner is not None and in_training_loop else None
-            stats = self.engine.capture(checkpoint, path, writer, lazy)
+            with sigint_deferred():  # Ctrl+C must not split a capture (see interrupts.py)
+                stats = self.engine.capture(checkpoint, path, writer, lazy)
         except OSError as exc:
             raise CheckpointFlushError(f"cannot write checkpoint {path}: {exc}", path) from exc
         if not in_training_loop:
