@@ -10,8 +10,9 @@
   saved after ``Strategy.teardown`` (Lightning's bare state dict in a temporary file); it saves them to
   ``OUT/parent-weights.pt``.
 
-Writes are slowed (every range waits 50 ms) so flushes are still running when fit ends. ``--broken`` turns off
-the plugin's draining (at fit end and teardown) to show that the test catches a rank reading an unfinished file.
+Writes are slowed (every range waits 50 ms) so flushes are still running when fit ends. ``BROKEN_DRAIN=1`` turns off
+the plugin's draining and waiting (fit end, teardown, saves outside the training loop) and makes its threads
+daemons, to show that the tests catch a rank reading an unfinished file and a worker exiting before its last save.
 Both are set up when this module is imported, so spawned workers (which import it as ``__mp_main__``) get them too.
 """
 
@@ -22,12 +23,15 @@ import os
 import shutil
 import sys
 import threading
+import types
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_datastates import DataStatesIO
+from lightning_datastates.snapshot import engine as engine_module
+from lightning_datastates.snapshot.engine import SnapshotEngine
 from tests.conftest import BNModel, GatedWriter, make_loader
 from tests.script_support import ReferenceRecordingIO, datastates_threads, write_json
 
@@ -81,6 +85,10 @@ def _slow_writes() -> None:
 def _break_draining() -> None:
     DataStatesIO.drain = lambda self: None  # type: ignore[method-assign]
     DataStatesIO.teardown = lambda self: None  # type: ignore[method-assign]
+    SnapshotEngine.wait_path = lambda self, path: None  # type: ignore[method-assign]
+    daemon_threading = types.SimpleNamespace(**vars(threading))
+    daemon_threading.Thread = lambda *a, **k: threading.Thread(*a, **{**k, "daemon": True})
+    engine_module.threading = daemon_threading  # type: ignore[attr-defined]
 
 
 def _trainer(out: str, strategy: str, plugin: DataStatesIO, probe: RankProbe, max_epochs: int) -> L.Trainer:

@@ -18,7 +18,15 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStr
 from lightning_datastates import DataStatesIO
 from lightning_datastates.plugin import _path_str
 from lightning_datastates.strategies import PluginBypassedWarning, bypass_reason
-from tests.conftest import BNModel, RecordingDataStatesIO, assert_bit_equal, make_loader, make_trainer, temp_files
+from tests.conftest import (
+    BNModel,
+    RecordingDataStatesIO,
+    assert_bit_equal,
+    in_background,
+    make_loader,
+    make_trainer,
+    temp_files,
+)
 from tests.s3_server import (  # noqa: F401 - the *_fixture imports register the fixtures
     s3_endpoint_fixture,
     s3_fixture,
@@ -181,12 +189,31 @@ def test_remove_checkpoint_of_a_sharded_directory_on_s3(s3, pending):
     plugin = DataStatesIO(storage_options=s3.storage_options)
     strategy = FSDPStrategy(state_dict_type="sharded")
     strategy.checkpoint_io = plugin
-    for name in ("__0_0.distcp", "__1_0.distcp", "meta.pt"):
+    for name in ("__0_0.distcp", "__1_0.distcp", ".metadata", "meta.pt"):
         s3.put(f"run/step=1.ckpt/{name}", b"shard")
     s3.put("run/step=10.ckpt/meta.pt", b"keep")  # a sibling sharing the prefix "step=1"
     if pending:
-        plugin.save_checkpoint({"w": torch.ones(4)}, s3.url("run/other.ckpt"))  # the engine exists and has written
+        in_background(plugin)  # as inside fit: the save returns before its file is committed
+        plugin.save_checkpoint({"w": torch.ones(4)}, s3.url("run/other.ckpt"))
     strategy.remove_checkpoint(s3.url("run/step=1.ckpt"))
     plugin.drain()
     expected = ["run/step=10.ckpt/meta.pt"] + (["run/other.ckpt"] if pending else [])
     assert s3.keys() == sorted(expected)
+
+
+@pytest.mark.parametrize("pending", [False, True], ids=["idle", "with-pending-saves"])
+def test_remove_checkpoint_of_a_sharded_directory_on_local_disk(tmp_path, pending):
+    plugin = DataStatesIO()
+    strategy = ModelParallelStrategy()
+    strategy.checkpoint_io = plugin
+    shard_dir = tmp_path / "step=1.ckpt"
+    (shard_dir / "nested").mkdir(parents=True)
+    for name in ("__0_0.distcp", ".metadata", "nested/meta.pt"):
+        (shard_dir / name).write_bytes(b"shard")
+    (tmp_path / "step=10.ckpt").mkdir()
+    if pending:
+        in_background(plugin)
+        plugin.save_checkpoint({"w": torch.ones(4)}, str(tmp_path / "other.ckpt"))
+    strategy.remove_checkpoint(str(shard_dir))
+    plugin.drain()
+    assert sorted(os.listdir(tmp_path)) == sorted(["step=10.ckpt"] + (["other.ckpt"] if pending else []))
