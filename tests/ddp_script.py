@@ -23,17 +23,20 @@ import os
 import shutil
 import sys
 import threading
-import types
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_datastates import DataStatesIO
-from lightning_datastates.snapshot import engine as engine_module
-from lightning_datastates.snapshot.engine import SnapshotEngine
-from tests.conftest import BNModel, GatedWriter, make_loader
-from tests.script_support import ReferenceRecordingIO, datastates_threads, write_json
+from tests.conftest import BNModel, make_loader
+from tests.script_support import (
+    ReferenceRecordingIO,
+    break_draining,
+    datastates_threads,
+    slow_local_writes,
+    write_json,
+)
 
 WRITE_DELAY_S = 0.05
 
@@ -58,9 +61,7 @@ class RankProbe(Callback):
         self._look()
         if trainer.ckpt_path is not None:  # the second fit: what this rank restored
             self.restored = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
-            self.restored.update(
-                {f"optimizer.{k}": v for k, v in _flat_optimizer_state(trainer.optimizers[0]).items()}
-            )
+            self.restored.update({f"optimizer.{k}": v for k, v in _flat_optimizer_state(trainer.optimizers[0]).items()})
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._look()
@@ -75,41 +76,43 @@ def _flat_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, torch.T
     return flat
 
 
-def _slow_writes() -> None:
-    writer = GatedWriter(delay_s=WRITE_DELAY_S)
-    import lightning_datastates.plugin as plugin_module
-
-    plugin_module.writer_for = lambda path, storage_options=None: writer  # type: ignore[assignment]
-
-
-def _break_draining() -> None:
-    DataStatesIO.drain = lambda self: None  # type: ignore[method-assign]
-    DataStatesIO.teardown = lambda self: None  # type: ignore[method-assign]
-    SnapshotEngine.wait_path = lambda self, path: None  # type: ignore[method-assign]
-    daemon_threading = types.SimpleNamespace(**vars(threading))
-    daemon_threading.Thread = lambda *a, **k: threading.Thread(*a, **{**k, "daemon": True})
-    engine_module.threading = daemon_threading  # type: ignore[attr-defined]
-
-
 def _trainer(out: str, strategy: str, plugin: DataStatesIO, probe: RankProbe, max_epochs: int) -> L.Trainer:
     checkpoint = ModelCheckpoint(
-        dirpath=os.path.join(out, "ckpt"), every_n_train_steps=1, save_top_k=2, monitor="step", mode="max",
+        dirpath=os.path.join(out, "ckpt"),
+        every_n_train_steps=1,
+        save_top_k=2,
+        monitor="step",
+        mode="max",
         save_last=True,
     )
     return L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=2, max_epochs=max_epochs, plugins=[plugin],
-        callbacks=[checkpoint, probe], logger=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, default_root_dir=out, deterministic=True,
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_epochs=max_epochs,
+        plugins=[plugin],
+        callbacks=[checkpoint, probe],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=out,
+        deterministic=True,
     )
 
 
-def run_ddp(out: str) -> None:
+def _first_fit(out: str, strategy: str, max_epochs: int) -> tuple[L.Trainer, ReferenceRecordingIO, RankProbe, BNModel]:
     torch.manual_seed(0)
     plugin = ReferenceRecordingIO(os.path.join(out, "ref"), chunk_size="16KiB")
     probe = RankProbe(plugin)
-    trainer = _trainer(out, "ddp", plugin, probe, max_epochs=2)
+    trainer = _trainer(out, strategy, plugin, probe, max_epochs=max_epochs)
     model = BNModel(width=64)
     trainer.fit(model, make_loader(), make_loader(n=16))
+    return trainer, plugin, probe, model
+
+
+def run_ddp(out: str) -> None:
+    trainer, _, probe, model = _first_fit(out, "ddp", max_epochs=2)
     rank = trainer.global_rank
     best, last = trainer.checkpoint_callback.best_model_path, trainer.checkpoint_callback.last_model_path
 
@@ -138,12 +141,7 @@ def run_ddp(out: str) -> None:
 
 
 def run_ddp_spawn(out: str) -> None:
-    torch.manual_seed(0)
-    plugin = ReferenceRecordingIO(os.path.join(out, "ref"), chunk_size="16KiB")
-    probe = RankProbe(plugin)
-    trainer = _trainer(out, "ddp_spawn", plugin, probe, max_epochs=1)
-    model = BNModel(width=64)
-    trainer.fit(model, make_loader(), make_loader(n=16))
+    _, plugin, _, model = _first_fit(out, "ddp_spawn", max_epochs=1)
     # The parent loaded the weights rank 0 saved after teardown, through its own (unpickled) plugin.
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out, "parent-weights.pt"))
     write_json(
@@ -161,9 +159,9 @@ def main() -> None:
     print(f"done rank={os.environ.get('LOCAL_RANK', 'parent')} threads={threading.active_count()}", flush=True)
 
 
-_slow_writes()
+slow_local_writes(WRITE_DELAY_S)
 if os.environ.get("BROKEN_DRAIN") == "1":
-    _break_draining()
+    break_draining()
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -9,28 +9,23 @@ slowed (each range waits 30 ms) so several checkpoints are still being flushed w
 
 Each returned save prints ``saved <n>``; each drain or teardown prints ``draining <k> pending`` (k = checkpoints not yet
 committed when it began: the test checks that the end really had writes to finish). References of the saved
-state are written to ``OUT/ref`` (see tests/script_support.py). ``BROKEN_EXIT=1`` makes the engine's threads
-daemons and turns off draining, to show that the test catches lost checkpoints.
+state are written to ``OUT/ref`` (see tests/script_support.py). ``BROKEN_EXIT=1`` runs the broken variant of
+:func:`~tests.script_support.break_draining`, to show that the test catches lost checkpoints.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
-import types
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-import lightning_datastates.plugin as plugin_module
-from lightning_datastates import DataStatesIO
-from lightning_datastates.snapshot import engine as engine_module
-from tests.conftest import BNModel, GatedWriter, make_loader
-from tests.script_support import ReferenceRecordingIO
+from tests.conftest import BNModel, make_loader
+from tests.script_support import ReferenceRecordingIO, break_draining, slow_local_writes
 
 WRITE_DELAY_S = 0.03
 
@@ -81,27 +76,26 @@ class Interrupter(Callback):
             sys.exit(3)
 
 
-def _break_exit() -> None:
-    DataStatesIO.drain = lambda self: None  # type: ignore[method-assign]
-    DataStatesIO.teardown = lambda self: None  # type: ignore[method-assign]
-    daemon_threading = types.SimpleNamespace(**vars(threading))
-    daemon_threading.Thread = lambda *a, **k: threading.Thread(*a, **{**k, "daemon": True})
-    engine_module.threading = daemon_threading  # type: ignore[attr-defined]
-
-
 def main() -> None:
     out, how = sys.argv[1], sys.argv[2]
-    writer = GatedWriter(delay_s=WRITE_DELAY_S)
-    plugin_module.writer_for = lambda path, storage_options=None: writer  # type: ignore[assignment]
+    slow_local_writes(WRITE_DELAY_S)
     if os.environ.get("BROKEN_EXIT") == "1":
-        _break_exit()
+        break_draining()
     torch.manual_seed(0)
     plugin = CountingIO(os.path.join(out, "ref"), chunk_size="16KiB", eager_copy_size="1KiB")
     checkpoint = ModelCheckpoint(dirpath=os.path.join(out, "ckpt"), every_n_train_steps=1, save_top_k=-1)
     trainer = L.Trainer(
-        accelerator="cpu", max_steps=4 if how == "normal" else 1000, max_epochs=-1, plugins=[plugin],
-        callbacks=[checkpoint, Interrupter(how)], logger=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=out,
+        accelerator="cpu",
+        max_steps=4 if how == "normal" else 1000,
+        max_epochs=-1,
+        plugins=[plugin],
+        callbacks=[checkpoint, Interrupter(how)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        default_root_dir=out,
     )
     trainer.fit(SlowModel(width=128), make_loader(n=64))
     print("fit returned", flush=True)

@@ -11,16 +11,19 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
+import types
 from typing import Any
 
 import torch
 
+import lightning_datastates.plugin as plugin_module
 from lightning_datastates import DataStatesIO
 from lightning_datastates.plugin import _path_str
+from lightning_datastates.snapshot import engine as engine_module
+from lightning_datastates.snapshot.engine import SnapshotEngine
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,6 +44,24 @@ class ReferenceRecordingIO(DataStatesIO):
         os.replace(reference + ".tmp", reference)
 
 
+def slow_local_writes(delay_s: float) -> None:
+    """Make every range the plugin writes (to local paths) wait ``delay_s``: flushes then outlast a few steps."""
+    from tests.conftest import GatedWriter
+
+    writer = GatedWriter(delay_s=delay_s)
+    plugin_module.writer_for = lambda path, storage_options=None: writer  # type: ignore[assignment]
+
+
+def break_draining() -> None:
+    """The broken variant: no drain, no teardown, no wait for a path, daemon threads (the tests must then fail)."""
+    DataStatesIO.drain = lambda self: None  # type: ignore[method-assign]
+    DataStatesIO.teardown = lambda self: None  # type: ignore[method-assign]
+    SnapshotEngine.wait_path = lambda self, path: None  # type: ignore[method-assign]
+    daemon_threading = types.SimpleNamespace(**vars(threading))
+    daemon_threading.Thread = lambda *a, **k: threading.Thread(*a, **{**k, "daemon": True})
+    engine_module.threading = daemon_threading  # type: ignore[attr-defined]
+
+
 def datastates_threads() -> list[str]:
     """Names of this process's live engine threads."""
     return sorted(t.name for t in threading.enumerate() if t.name.startswith("datastates-"))
@@ -51,13 +72,6 @@ def write_json(path: str, data: Any) -> None:
     with open(path + ".tmp", "w") as handle:
         json.dump(data, handle)
     os.replace(path + ".tmp", path)
-
-
-def free_port() -> int:
-    """A TCP port free on loopback right now (for MASTER_PORT: parallel test runs must not collide)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def script_env(**extra: str) -> dict[str, str]:

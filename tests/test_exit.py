@@ -105,7 +105,7 @@ def test_every_returned_save_is_complete_when_the_process_ends(tmp_path, ending)
 
 @pytest.mark.slow
 def test_sigkill_leaves_whole_files_or_none_and_the_next_run_cleans_up(tmp_path):
-    status, output = _run(tmp_path, "external", signal.SIGKILL)
+    status, _ = _run(tmp_path, "external", signal.SIGKILL)
     assert status == -signal.SIGKILL
     files = [n for n in os.listdir(tmp_path / "ckpt") if n.endswith(".ckpt")]
     for name in files:  # complete under the final name, or absent: never torn

@@ -28,10 +28,11 @@ from tests.conftest import (
     temp_files,
 )
 from tests.s3_server import (  # noqa: F401 - the *_fixture imports register the fixtures
+    free_port,
     s3_endpoint_fixture,
     s3_fixture,
 )
-from tests.script_support import free_port, launch
+from tests.script_support import launch
 
 #: Two DDP processes start slowly on a loaded 2-core machine; this only bounds a hang.
 _RUN_TIMEOUT_S = 600
@@ -72,7 +73,9 @@ def test_ddp_rank0_writes_other_rank_pays_nothing_all_ranks_resume(tmp_path):
     # Every file equals, bit for bit, the state recorded at its save call: after the first fit and at the end.
     fit1 = tmp_path / "fit1"
     assert _assert_files_equal_references(fit1 / "ckpt", fit1 / "ref") == [
-        "epoch=1-step=7.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"
+        "epoch=1-step=7.ckpt",
+        "epoch=1-step=8.ckpt",
+        "last.ckpt",
     ]
     assert reports[0]["best"] == reports[1]["best"] == "epoch=1-step=8.ckpt"
     _assert_files_equal_references(tmp_path / "ckpt", tmp_path / "ref")
@@ -165,8 +168,9 @@ def test_full_state_model_parallel_saves_s3_urls_through_the_plugin(tmp_path, s3
     assert not any(issubclass(w.category, PluginBypassedWarning) for w in recwarn)
     recorded = {_path_str(pathlib.Path(path)): state for path, state in plugin.recorded.items()}
     assert all(path.startswith("s3:/") and not path.startswith("s3://") for path in plugin.recorded), "not a Path"
-    assert s3.keys() == ["run/epoch=0-step=3.ckpt", "run/epoch=0-step=4.ckpt"]
-    for key in s3.keys():
+    saved_keys = s3.keys()
+    assert saved_keys == ["run/epoch=0-step=3.ckpt", "run/epoch=0-step=4.ckpt"]
+    for key in saved_keys:
         loaded = torch.load(io.BytesIO(s3.read(key)), map_location="cpu", weights_only=False)
         assert_bit_equal(loaded, recorded[s3.url(key)], key)
     assert not (pathlib.Path.cwd() / "s3:").exists() and not (tmp_path / "s3:").exists()
