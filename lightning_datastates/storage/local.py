@@ -20,7 +20,7 @@ import time
 import uuid
 from typing import BinaryIO
 
-from lightning_datastates.storage.base import StorageWriter, WriteSession
+from lightning_datastates.storage.base import DEFAULT_STALE_AGE_S, StorageWriter, WriteSession
 
 TEMP_SUFFIX = ".datastates-tmp"
 _TEMP_PATTERN = re.compile(
@@ -28,8 +28,8 @@ _TEMP_PATTERN = re.compile(
 )
 #: Longest file name most POSIX file systems accept.
 _MAX_NAME_BYTES = 255
-#: A temporary file of another host is only removed once untouched this long: its writer may be alive.
-FOREIGN_TEMP_AGE_S = 3600.0
+#: A temporary file of another host is only removed once untouched this long by default: its writer may be alive.
+FOREIGN_TEMP_AGE_S = DEFAULT_STALE_AGE_S
 
 
 def is_local_path(path: str) -> bool:
@@ -146,8 +146,8 @@ class LocalWriter(StorageWriter):
         except FileNotFoundError:
             pass
 
-    def clean_stale(self, directory: str) -> list[str]:
-        """Remove temporary files of dead processes on this host, and of other hosts once an hour old."""
+    def clean_stale(self, directory: str, max_age_s: float = DEFAULT_STALE_AGE_S) -> list[str]:
+        """Remove temporary files of dead processes on this host, and of other hosts once ``max_age_s`` old."""
         directory = local_path(directory)
         try:
             names = os.listdir(directory)
@@ -164,7 +164,7 @@ class LocalWriter(StorageWriter):
                 stale = int(match["pid"]) != os.getpid() and not _pid_alive(int(match["pid"]))
             else:
                 try:
-                    stale = now - os.stat(full).st_mtime > FOREIGN_TEMP_AGE_S
+                    stale = now - os.stat(full).st_mtime > max_age_s
                 except FileNotFoundError:
                     continue
             if stale:
