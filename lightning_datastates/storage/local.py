@@ -11,6 +11,8 @@ Temporary files are named ``.<name>.<host>.<pid>.<token>.datastates-tmp``: hidde
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import re
 import shutil
@@ -18,7 +20,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import BinaryIO
+from typing import BinaryIO, Iterator
 
 from lightning_datastates.storage.base import DEFAULT_STALE_AGE_S, StorageWriter, WriteSession
 
@@ -59,11 +61,16 @@ class PositionalFileSession(WriteSession):
         self._lock = threading.Lock()
 
     def write_range(self, offset: int, data: memoryview) -> None:
-        """``pwrite`` all of ``data`` at ``offset`` (retrying short writes)."""
+        """``pwrite`` all of ``data`` at ``offset`` (retrying short writes).
+
+        Raises:
+            OSError: as ``os.pwrite``; a full disk, an exceeded quota or file-size limit say so and name the path.
+        """
         fd = self._fd
         if fd is None:
             raise RuntimeError(f"write to {self.path} after its session ended")
-        write_all(fd, data, offset)
+        with out_of_space_named(self.path):
+            write_all(fd, data, offset)
 
     def _take_fd(self) -> int | None:
         """The open descriptor, or None if already taken (call with ``_lock`` held)."""
@@ -85,7 +92,10 @@ class LocalWriteSession(PositionalFileSession):
             if fd is None:
                 raise RuntimeError(f"{self.path}: session already ended")
             try:
-                os.fsync(fd)  # the bytes are durable before the name points at them
+                # The bytes are durable before the name points at them. With delayed allocation (NFS, XFS, ...) a
+                # full disk is reported only here.
+                with out_of_space_named(self.path):
+                    os.fsync(fd)
             finally:
                 os.close(fd)
             os.replace(self.temp_path, self.path)  # atomic: readers see the old file or the new one, whole
@@ -117,14 +127,19 @@ class LocalWriter(StorageWriter):
         """Create the directory if needed and open a fresh temporary file beside ``path``."""
         path = local_path(path)
         if os.path.isdir(path):
-            raise IsADirectoryError(f"{path} is a directory; a checkpoint file path was expected")
+            raise IsADirectoryError(
+                errno.EISDIR,
+                f"{path} is a directory; a checkpoint file path was expected: remove the directory or choose a file "
+                "name (ModelCheckpoint's filename, or Trainer.save_checkpoint('dir/name.ckpt'))",
+            )
         directory = os.path.dirname(path) or "."
-        os.makedirs(directory, exist_ok=True)
         suffix = f".{_host_tag()}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TEMP_SUFFIX}"
         # Shorten the name part if needed: a valid checkpoint name must not make the temporary name too long.
         name = os.path.basename(path)[: max(1, _MAX_NAME_BYTES - 1 - len(suffix))]
         temp_path = os.path.join(directory, f".{name}{suffix}")
-        fd = os.open(temp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        with _unwritable_directory_named(directory):
+            os.makedirs(directory, exist_ok=True)
+            fd = os.open(temp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         return LocalWriteSession(path, temp_path, fd)
 
     def exists(self, path: str) -> bool:
@@ -174,6 +189,47 @@ class LocalWriter(StorageWriter):
                 except FileNotFoundError:
                     pass
         return removed
+
+
+#: errno values meaning "no room for this file": disk full, quota exceeded, file-size limit (RLIMIT_FSIZE).
+_OUT_OF_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+@contextlib.contextmanager
+def _unwritable_directory_named(directory: str) -> Iterator[None]:
+    """Re-raise "cannot create a file in ``directory``" errors with the directory and the fix in the message."""
+    try:
+        yield
+    except (FileExistsError, NotADirectoryError) as exc:  # makedirs: a component of the path is a file
+        raise NotADirectoryError(
+            errno.ENOTDIR,
+            f"cannot write checkpoints in {directory}: {exc.filename or directory} is a file, not a directory; "
+            "choose another checkpoint directory (ModelCheckpoint(dirpath=...)) or move the file",
+        ) from exc
+    except OSError as exc:
+        fixes = {
+            errno.EACCES: "make it writable for this user or choose another directory (ModelCheckpoint(dirpath=...))",
+            errno.EPERM: "make it writable for this user or choose another directory (ModelCheckpoint(dirpath=...))",
+            errno.EROFS: "choose a directory on a writable file system (ModelCheckpoint(dirpath=...))",
+        }
+        if exc.errno not in fixes:
+            raise
+        raise type(exc)(exc.errno, f"cannot write checkpoints in {directory}: {exc.strerror}; {fixes[exc.errno]}") from exc
+
+
+@contextlib.contextmanager
+def out_of_space_named(path: str) -> Iterator[None]:
+    """Re-raise a full disk, exceeded quota or file-size limit as an ``OSError`` naming ``path`` and the fixes."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in _OUT_OF_SPACE:
+            raise
+        raise OSError(
+            exc.errno,
+            f"{exc.strerror} while writing {path}: free space on its file system, raise the quota or the file-size "
+            "limit (ulimit -f), or write checkpoints elsewhere",
+        ) from exc
 
 
 def write_all(fd: int, data: memoryview, offset: int) -> None:
