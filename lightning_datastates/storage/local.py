@@ -166,8 +166,8 @@ class LocalWriter(StorageWriter):
         directory = local_path(directory)
         try:
             names = os.listdir(directory)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
+        except (FileNotFoundError, NotADirectoryError, PermissionError):
+            return []  # nothing there, or nothing we may clean (writing there then fails with the fix named)
         removed = []
         host, now = _host_tag(), time.time()
         for name in names:
