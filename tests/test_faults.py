@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_datastates import CheckpointFlushError
@@ -84,6 +83,21 @@ class KillServer:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+def run_script(script: str, *args: str) -> Any:
+    """Run ``script`` in a fresh interpreter (this checkout first on the path); return its last line, JSON-decoded."""
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    result = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        timeout=ANSWER_TIMEOUT_S,
+        env=env,
+        cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def verify_directory(directory: str) -> dict[str, int]:
@@ -189,17 +203,7 @@ _FILE_SIZE_LIMIT_SCRIPT = textwrap.dedent(
 
 def test_file_size_limit_is_a_clear_error_and_the_policy_decides(tmp_path):
     """RLIMIT_FSIZE in a subprocess: the write of step 3 fails with EFBIG, as on a full disk."""
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    result = subprocess.run(
-        [sys.executable, "-c", _FILE_SIZE_LIMIT_SCRIPT, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=ANSWER_TIMEOUT_S,
-        env=env,
-        cwd=REPO,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    outcome = json.loads(result.stdout.strip().splitlines()[-1])
+    outcome = run_script(_FILE_SIZE_LIMIT_SCRIPT, str(tmp_path))
     failed = str(tmp_path / "raise" / "epoch=0-step=3.ckpt")
 
     raised = outcome["raise"]  # default policy: training stops with an error naming the path and the fix
@@ -272,24 +276,13 @@ _SLOW_STORAGE_SCRIPT = textwrap.dedent(
 @pytest.mark.slow
 def test_storage_slower_than_saves_keeps_memory_and_checkpoints_in_flight_bounded(tmp_path):
     steps = 16
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    result = subprocess.run(
-        [sys.executable, "-c", _SLOW_STORAGE_SCRIPT, str(tmp_path), str(steps)],
-        capture_output=True,
-        text=True,
-        timeout=ANSWER_TIMEOUT_S,
-        env=env,
-        cwd=REPO,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    figures = run_script(_SLOW_STORAGE_SCRIPT, str(tmp_path), str(steps))
     print(f"\nslow storage: {figures}")
     assert figures["committed"] == steps  # back-pressure (the default) loses no checkpoint
     assert figures["arena_peak_bytes"] <= figures["arena_bytes"]
     assert figures["most_in_flight"] <= 2 * figures["writer_threads"]
     # Holding every pending snapshot would take steps x checkpoint bytes; host memory must not grow with the count.
     assert figures["growth_bytes"] < steps * figures["checkpoint_bytes"] / 2
-
 
 
 @pytest.mark.slow
@@ -352,7 +345,9 @@ def test_storage_that_recovers_warn_policy_one_warning_per_failed_checkpoint(tmp
     with caplog.at_level(logging.WARNING, logger="lightning_datastates"):
         trainer.fit(BNModel(), make_loader())  # nothing raised
     failures = [r.getMessage() for r in caplog.records if "on_flush_error='warn'" in r.getMessage()]
-    assert len(failures) == 2 and [p for p in writer.failed_paths if any(p in m for m in failures)] == writer.failed_paths
+    assert (
+        len(failures) == 2 and [p for p in writer.failed_paths if any(p in m for m in failures)] == writer.failed_paths
+    )
     for path in writer.failed_paths:
         assert sum(path in m for m in failures) == 1  # exactly one report per failed checkpoint
         assert not os.path.exists(path)
@@ -371,12 +366,16 @@ def test_storage_that_recovers_raise_policy_raises_once_then_resumes(tmp_path, m
     directory = str(tmp_path / "ckpt")
     callbacks = [every_step_checkpoint(directory, save_last=False)]
     with pytest.raises(CheckpointFlushError) as raised:
-        make_trainer(str(tmp_path), plugin, callbacks=callbacks, max_epochs=-1, max_steps=8).fit(BNModel(), make_loader())
+        make_trainer(str(tmp_path), plugin, callbacks=callbacks, max_epochs=-1, max_steps=8).fit(
+            BNModel(), make_loader()
+        )
     assert raised.value.path == writer.failed_paths[0] and "injected" in str(raised.value)
     good = sorted(os.listdir(directory))
     assert good and writer.failed_paths[0] not in good and temp_files(directory) == []
     # The same plugin goes on from the newest good checkpoint: the failure is not raised again, later saves land.
-    newest = max((os.path.join(directory, n) for n in good), key=lambda p: torch.load(p, weights_only=True)["global_step"])
+    newest = max(
+        (os.path.join(directory, n) for n in good), key=lambda p: torch.load(p, weights_only=True)["global_step"]
+    )
     resumed = make_trainer(
         str(tmp_path), plugin, callbacks=[every_step_checkpoint(directory, save_last=False)], max_epochs=-1, max_steps=8
     )

@@ -146,7 +146,13 @@ def test_uploading_process_killed_mid_upload_leaves_no_partial_object_and_the_ne
 def test_server_killed_mid_upload_reaches_the_training_thread(moto_process, tmp_path):
     server = moto_process.start()
     env = fresh_bucket(server.endpoint, reset=False)
-    options = {**env.storage_options, "part_size_bytes": "5MiB", "max_concurrent_parts": 1, "retries": 1, "timeout_s": 3}
+    options = {
+        **env.storage_options,
+        "part_size_bytes": "5MiB",
+        "max_concurrent_parts": 1,
+        "retries": 1,
+        "timeout_s": 3,
+    }
     plugin = DataStatesIO(storage_options=options)
     checkpoint = ModelCheckpoint(dirpath="s3://bucket/run", every_n_train_steps=1, save_top_k=-1)
     trainer = make_trainer(str(tmp_path), plugin, callbacks=[checkpoint], max_epochs=-1, max_steps=10_000)
@@ -173,4 +179,5 @@ def test_server_killed_mid_upload_reaches_the_training_thread(moto_process, tmp_
     assert raised_at - killed_at[0] < GUARD_S  # hang guard: the failure arrived
     assert raised.value.path.startswith("s3://bucket/run/") and raised.value.path in str(raised.value)
     assert isinstance(raised.value.__cause__, OSError)
-    print(f"\nS3 server kill: failure on the training thread {raised_at - killed_at[0]:.1f} s after the kill: {raised.value}")
+    delay_s = raised_at - killed_at[0]
+    print(f"\nS3 server kill: failure on the training thread {delay_s:.1f} s after the kill: {raised.value}")

@@ -214,7 +214,9 @@ def _unwritable_directory_named(directory: str) -> Iterator[None]:
         }
         if exc.errno not in fixes:
             raise
-        raise type(exc)(exc.errno, f"cannot write checkpoints in {directory}: {exc.strerror}; {fixes[exc.errno]}") from exc
+        raise type(exc)(
+            exc.errno, f"cannot write checkpoints in {directory}: {exc.strerror}; {fixes[exc.errno]}"
+        ) from exc
 
 
 @contextlib.contextmanager

@@ -655,7 +655,7 @@ class S3Writer(StorageWriter):
 
         bodies = await asyncio.gather(*(read(key) for key, _, _ in found), return_exceptions=True)
         markers = []
-        for (key, modified, match), body in zip(found, bodies):
+        for (key, modified, match), body in zip(found, bodies, strict=True):
             if isinstance(body, BaseException):
                 continue  # removed meanwhile (its writer finished): nothing to decide
             markers.append(MarkerInfo(key, match["host"], int(match["pid"]), body, modified))
