@@ -37,17 +37,19 @@ GUARD_S = 120.0
 
 _UPLOADER_SCRIPT = textwrap.dedent(
     """
-    import sys, torch
+    import os, sys, torch
     from lightning_datastates import DataStatesIO
-    endpoint, prefix, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    endpoint, prefix, stop_file = sys.argv[1], sys.argv[2], sys.argv[3]
     options = {
         "endpoint_url": endpoint, "key": "testing", "secret": "testing",
         "client_kwargs": {"region_name": "us-east-1"}, "part_size_bytes": "5MiB", "max_concurrent_parts": 1,
     }
     plugin = DataStatesIO(storage_options=options)  # on its own: each save returns once committed
-    for i in range(count):
+    i = 0
+    while not os.path.exists(stop_file):  # saves until told to stop
         plugin.save_checkpoint({"i": i, "w": torch.full((4 * 2**20,), float(i))}, f"{prefix}-{i}.ckpt")  # 4 parts
         print(i, flush=True)
+        i += 1
     """
 )
 
@@ -57,10 +59,10 @@ def _needs_s3() -> None:
     require_s3()
 
 
-def _uploader(endpoint: str, prefix: str, count: int) -> subprocess.Popen[str]:
+def _uploader(endpoint: str, prefix: str, stop_file: str) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.Popen(
-        [sys.executable, "-c", _UPLOADER_SCRIPT, endpoint, prefix, str(count)],
+        [sys.executable, "-c", _UPLOADER_SCRIPT, endpoint, prefix, stop_file],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -104,9 +106,10 @@ def _assert_whole(env, key: str) -> None:
 
 
 @pytest.mark.slow
-def test_uploading_process_killed_mid_upload_leaves_no_partial_object_and_the_next_run_aborts_it(s3):
-    killed = _uploader(s3.endpoint, "s3://bucket/run/killed", 50)
-    alive = _uploader(s3.endpoint, "s3://bucket/run/alive", 2)
+def test_uploading_process_killed_mid_upload_leaves_no_partial_object_and_the_next_run_aborts_it(s3, tmp_path):
+    stop_file = str(tmp_path / "stop")
+    killed = _uploader(s3.endpoint, "s3://bucket/run/killed", stop_file)
+    alive = _uploader(s3.endpoint, "s3://bucket/run/alive", stop_file)
     try:
         killed_key = _wait_mid_upload(s3, "run/killed", killed, committed_first=True)
         killed.send_signal(signal.SIGKILL)  # mid-upload: parts stored, the commit never comes
@@ -132,10 +135,11 @@ def test_uploading_process_killed_mid_upload_leaves_no_partial_object_and_the_ne
                 process.kill()
         s3.abort_all_uploads()
         raise
+    open(stop_file, "w").close()  # the live writer finishes the checkpoint it was writing, then stops
     alive.send_signal(signal.SIGCONT)
     alive.wait(GUARD_S)
     assert alive.returncode == 0  # the live writer went on and committed
-    assert s3.keys("run/alive") == ["run/alive-0.ckpt", "run/alive-1.ckpt"]
+    assert alive_key in s3.keys("run/alive")
     for key in s3.keys("run/alive"):
         _assert_whole(s3, key)
     assert [k for k in s3.keys("run/.") if k.endswith(UPLOAD_MARKER_SUFFIX)] == []  # markers removed
