@@ -6,12 +6,22 @@ import os
 import re
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Any, Union
+from typing import Any, Literal, Union, get_args
 
 from lightning_datastates.errors import ConfigError
 
 #: A size setting: bytes as an int, or a string such as ``"8GiB"``, ``"512MB"``, ``"4096"``.
 Size = Union[int, str]
+
+# ---------------------------------------------------------------------------------------------- fault policies
+#: What training does when a checkpoint fails to reach storage: raise ``CheckpointFlushError`` at the next hook, or
+#: log a warning naming the path and the cause and go on (the failed checkpoint is lost, earlier ones are kept).
+FlushErrorPolicy = Literal["raise", "warn"]
+#: What a save does when earlier checkpoints still hold the host arena: ``wait`` for their flush (back-pressure), or
+#: ``skip`` this checkpoint with a warning (nothing is written for it, and the removals it would allow are dropped).
+ArenaFullPolicy = Literal["wait", "skip"]
+#: Default of ``stale_after_s``: leftovers whose writer cannot be asked are removed once an hour old.
+DEFAULT_STALE_AFTER_S = 3600.0
 
 _UNITS = {
     "": 1,
@@ -70,6 +80,10 @@ class DataStatesConfig:
     chunk_bytes: int
     eager_copy_bytes: int
     storage_options: dict[str, Any] | None = None
+    # Fault policies (validated by _check_fault_policies).
+    on_flush_error: FlushErrorPolicy = "raise"
+    on_arena_full: ArenaFullPolicy = "wait"
+    stale_after_s: float = DEFAULT_STALE_AFTER_S
 
     @classmethod
     def from_user(
@@ -79,6 +93,9 @@ class DataStatesConfig:
         chunk_size: Size,
         eager_copy_size: Size,
         storage_options: dict[str, Any] | None = None,
+        on_flush_error: FlushErrorPolicy = "raise",
+        on_arena_full: ArenaFullPolicy = "wait",
+        stale_after_s: float = DEFAULT_STALE_AFTER_S,
     ) -> DataStatesConfig:
         """Validate user-facing arguments (as given to the constructor or in yaml)."""
         host_cache_bytes = None if host_cache is None else parse_size(host_cache, "host_cache")
@@ -90,7 +107,17 @@ class DataStatesConfig:
         eager_copy_bytes = parse_size(eager_copy_size, "eager_copy_size")
         if storage_options is not None and not isinstance(storage_options, dict):
             raise ConfigError(f"storage_options must be a dict of fsspec options, got {type(storage_options).__name__}")
-        return cls(host_cache_bytes, writer_threads, chunk_bytes, eager_copy_bytes, storage_options)
+        _check_fault_policies(on_flush_error, on_arena_full, stale_after_s)
+        return cls(
+            host_cache_bytes,
+            writer_threads,
+            chunk_bytes,
+            eager_copy_bytes,
+            storage_options,
+            on_flush_error=on_flush_error,
+            on_arena_full=on_arena_full,
+            stale_after_s=float(stale_after_s),
+        )
 
     def arena_bytes_for(self, payload_bytes: int) -> int:
         """Arena size: the user's ``host_cache``, or one checkpoint's payload capped at half the free memory."""
@@ -99,6 +126,19 @@ class DataStatesConfig:
         wanted = max(payload_bytes, 64 * 1024**2)
         available = _available_memory_bytes()
         return wanted if available is None else max(min(wanted, available // 2), 16 * 1024**2)
+
+
+def _check_fault_policies(on_flush_error: Any, on_arena_full: Any, stale_after_s: Any) -> None:
+    """Raise ``ConfigError`` naming the fault-policy setting that is invalid and its accepted values."""
+    for name, value, policy in (
+        ("on_flush_error", on_flush_error, FlushErrorPolicy),
+        ("on_arena_full", on_arena_full, ArenaFullPolicy),
+    ):
+        if value not in get_args(policy):
+            accepted = " or ".join(repr(choice) for choice in get_args(policy))
+            raise ConfigError(f"{name} must be {accepted}, got {value!r}")
+    if isinstance(stale_after_s, bool) or not isinstance(stale_after_s, (int, float)) or not stale_after_s >= 0:
+        raise ConfigError(f"stale_after_s must be a number of seconds >= 0 (default 3600), got {stale_after_s!r}")
 
 
 def _available_memory_bytes() -> int | None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
 
-from lightning_datastates.config import DataStatesConfig, Size
+from lightning_datastates.config import DEFAULT_STALE_AFTER_S, ArenaFullPolicy, DataStatesConfig, FlushErrorPolicy, Size
 from lightning_datastates.errors import CheckpointFlushError
 from lightning_datastates.interrupts import sigint_deferred
 from lightning_datastates.reader import load_checkpoint
@@ -54,6 +54,14 @@ class DataStatesIO(CheckpointIO):
             e.g. ``{"key": ..., "secret": ..., "endpoint_url": ...}``; used for saving, loading and removing.
             For ``s3://`` it also takes the multipart writer's ``part_size_bytes`` (default 16 MiB),
             ``max_concurrent_parts`` (8), ``retries`` (3) and ``timeout_s`` (120).
+        on_flush_error: ``"raise"`` (default): a checkpoint that fails to reach storage raises
+            ``CheckpointFlushError`` on the training thread at the next hook; ``"warn"``: it is logged as a warning
+            naming the path and the cause, and training goes on.
+        on_arena_full: ``"wait"`` (default): a save whose copy needs arena space still held by earlier checkpoints
+            waits for their flush (back-pressure); ``"skip"``: that checkpoint is skipped with a warning (nothing is
+            written, and the removals it would allow are dropped, so older checkpoints stay).
+        stale_after_s: temporary files of other hosts and open S3 uploads whose writer cannot be asked are removed
+            once this old (default 3600); those of dead processes on this host at once.
     """
 
     def __init__(
@@ -63,10 +71,20 @@ class DataStatesIO(CheckpointIO):
         chunk_size: Size = "64MiB",
         eager_copy_size: Size = "64KiB",
         storage_options: dict[str, Any] | None = None,
+        on_flush_error: FlushErrorPolicy = "raise",
+        on_arena_full: ArenaFullPolicy = "wait",
+        stale_after_s: float = DEFAULT_STALE_AFTER_S,
     ) -> None:
         super().__init__()
         self.config = DataStatesConfig.from_user(
-            host_cache, writer_threads, chunk_size, eager_copy_size, storage_options
+            host_cache,
+            writer_threads,
+            chunk_size,
+            eager_copy_size,
+            storage_options,
+            on_flush_error=on_flush_error,
+            on_arena_full=on_arena_full,
+            stale_after_s=stale_after_s,
         )
         self._engine: SnapshotEngine | None = None
         self._owner: DataStatesCallback | None = None
@@ -182,8 +200,14 @@ class DataStatesIO(CheckpointIO):
         return self._engine is not None and self._engine.is_pending(_path_str(path))
 
     def raise_pending_failure(self, path: str | None = None) -> None:
-        """Raise the oldest unreported background failure (of ``path`` if given) as ``CheckpointFlushError``."""
+        """Raise the oldest unreported background failure (of ``path`` if given) as ``CheckpointFlushError``.
+
+        With ``on_flush_error="warn"`` the failures found by the hooks (no ``path``) are logged instead, once each.
+        """
         if self._engine is None:
+            return
+        if path is None and self.config.on_flush_error == "warn":
+            self._engine.warn_failures()
             return
         job = self._engine.pop_failure(path)
         if job is not None:
@@ -192,7 +216,7 @@ class DataStatesIO(CheckpointIO):
     def clean_stale(self, directory: str) -> list[str]:
         """Remove temporary files that crashed runs left in ``directory`` (done once per directory)."""
         self._cleaned_directories.add(directory)
-        removed = self._writer(directory).clean_stale(directory)
+        removed = self._writer(directory).clean_stale(directory, max_age_s=self.config.stale_after_s)
         if removed:
             log.info("lightning_datastates: removed %d stale temporary file(s) in %s", len(removed), directory)
         return removed

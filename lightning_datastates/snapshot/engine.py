@@ -41,6 +41,9 @@ _POLL_S = 0.1
 _IDLE_EXIT_S = 10.0
 #: Stats of this many recent checkpoints are kept.
 _HISTORY_LENGTH = 1000
+#: At most this many checkpoints per writer thread are in flight (captured, not yet committed or dropped): each holds
+#: an open write session and its metadata; beyond it a save waits (or is skipped, with on_arena_full="skip").
+_PENDING_PER_WRITER = 2
 
 LazyPredicate = Callable[[torch.UntypedStorage], bool]
 
@@ -68,6 +71,7 @@ class SnapshotEngine:
         self._threads: list[threading.Thread] = []
         self._closing = False
         self._warned_fallback = False
+        self._skipped_since_last_capture = False  # removals right after a skipped save keep their file
 
     # ------------------------------------------------------------------ training thread
     def capture(
@@ -89,6 +93,9 @@ class SnapshotEngine:
         # call's time, so it is not also counted as a barrier wait of the earlier snapshot.
         self.wait_copies(attribute=False)
         arena = self._ensure_arena(layout.payload_bytes)
+        skip_reason = self._admit(layout, arena, may_skip=lazy is not None)
+        if skip_reason is not None:
+            return self._skip(path, layout, started_at, skip_reason)
         chunk_bytes = max(4096, min(self.config.chunk_bytes, arena.size_bytes // 4))
         eager_keys = {
             r.key
@@ -122,6 +129,7 @@ class SnapshotEngine:
                 session.abort()
                 raise
             self._deferred_removals.pop(path, None)  # saved again: the new file replaces the old one anyway
+            self._skipped_since_last_capture = False
             predecessor = self._latest_by_path.get(path)
             if predecessor is not None and not predecessor.finished.is_set():
                 # A newer save of the same path supersedes the pending one; it commits only after that one ended.
@@ -186,6 +194,9 @@ class SnapshotEngine:
             if self._failures:  # a newer checkpoint already failed (not yet reported): keep this one
                 log.warning("lightning_datastates: keeping %s, which was to be removed: a newer write failed", path)
                 return
+            if self._skipped_since_last_capture:  # the checkpoint that was to replace it was skipped
+                log.warning("lightning_datastates: keeping %s, which was to be removed: a newer save was skipped", path)
+                return
             waiting = [job for job in self._active if not job.settled]
             if waiting:
                 self._deferred_removals[path] = (waiting, remove)
@@ -215,6 +226,19 @@ class SnapshotEngine:
                     self._failures.remove(job)
                     return job
         return None
+
+    def warn_failures(self) -> int:
+        """Log each failed, not yet reported checkpoint as a warning (``on_flush_error="warn"``); it counts as
+        reported. Return how many were logged."""
+        count = 0
+        while (job := self.pop_failure()) is not None:
+            log.warning(
+                "lightning_datastates: writing checkpoint %s failed: %r; training goes on (on_flush_error='warn')",
+                job.path,
+                job.error,
+            )
+            count += 1
+        return count
 
     def unreported_failures(self) -> list[SnapshotJob]:
         """Failed checkpoints not yet reported, oldest first (they stay unreported)."""
@@ -256,6 +280,43 @@ class SnapshotEngine:
                 self._warned_fallback = True
             data = buffer.getvalue()
             return CheckpointLayout(metadata=((0, data),), records=(), total_bytes=len(data)), []
+
+    def _admit(self, layout: CheckpointLayout, arena: HostArena, may_skip: bool) -> str | None:
+        """Bound the checkpoints in flight before a new one starts: None to go on, or why it is skipped.
+
+        ``on_arena_full="wait"``: wait while too many checkpoints are in flight (the arena then makes the copy wait
+        for space, back-pressure). ``"skip"``: skip this one instead of waiting, also when earlier checkpoints hold
+        arena space this one needs; only saves inside the training loop (``may_skip``) are ever skipped, never a
+        save the caller waits for.
+        """
+        limit = max(2, _PENDING_PER_WRITER * self.config.writer_threads)
+        skip = may_skip and self.config.on_arena_full == "skip"
+        while True:
+            with self._lock:
+                pending = [job for job in self._active if not job.finished.is_set()]
+            if len(pending) < limit:
+                break
+            if skip:
+                return f"{len(pending)} earlier checkpoints are still being written"
+            pending[0].finished.wait()
+        held = arena.used_bytes
+        if skip and held and arena.size_bytes - held < min(layout.payload_bytes, arena.size_bytes):
+            return f"the host arena ({arena.size_bytes} bytes) holds {held} bytes of earlier checkpoints"
+        return None
+
+    def _skip(self, path: str, layout: CheckpointLayout, started_at: float, reason: str) -> SnapshotStats:
+        """Record a checkpoint skipped by ``on_arena_full="skip"``: nothing is written, removals after it keep
+        their file (the next capture ends that)."""
+        stats = SnapshotStats(path, layout.total_bytes, layout.payload_bytes, started_at, state=JobState.SKIPPED.value)
+        with self._lock:
+            self.history.append(stats)
+            self._skipped_since_last_capture = True
+        log.warning(
+            "lightning_datastates: skipped checkpoint %s (on_arena_full='skip'): %s; storage is slower than saves",
+            path,
+            reason,
+        )
+        return stats
 
     def _ensure_arena(self, payload_bytes: int) -> HostArena:
         if self.arena is None:

@@ -28,6 +28,7 @@ class JobState(enum.Enum):
     COMMITTED = "committed"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    SKIPPED = "skipped"  # never started: on_arena_full="skip" and earlier checkpoints held the arena
 
 
 @dataclass

@@ -15,6 +15,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import BinaryIO
 
+#: Leftovers whose writer cannot be asked whether it is alive (a temporary file of another host, an S3 upload with
+#: no marker) are removed by :meth:`StorageWriter.clean_stale` once they are this old.
+DEFAULT_STALE_AGE_S = 3600.0
+
 
 class WriteSession(ABC):
     """One checkpoint being written; see the module docstring for the call order."""
@@ -54,5 +58,11 @@ class StorageWriter(ABC):
         """A binary file object reading the committed file at ``path``."""
 
     @abstractmethod
-    def clean_stale(self, directory: str) -> list[str]:
-        """Remove temporary files that crashed runs left in ``directory``; return what was removed."""
+    def clean_stale(self, directory: str, max_age_s: float = DEFAULT_STALE_AGE_S) -> list[str]:
+        """Remove what crashed runs left directly in ``directory``; return the paths (or URLs) removed.
+
+        Leftovers are temporary files and, on S3, open multipart uploads. Those of a dead process on this host go at
+        once; those whose writer cannot be asked (another host, no marker) once older than ``max_age_s`` seconds.
+        This process's own writes in flight and committed checkpoints are never touched. Missing directories are
+        fine (nothing to clean).
+        """

@@ -22,8 +22,8 @@ import fsspec
 from fsspec.core import split_protocol
 
 from lightning_datastates.errors import ConfigError
-from lightning_datastates.storage.base import StorageWriter
-from lightning_datastates.storage.local import FOREIGN_TEMP_AGE_S, TEMP_SUFFIX, PositionalFileSession
+from lightning_datastates.storage.base import DEFAULT_STALE_AGE_S, StorageWriter
+from lightning_datastates.storage.local import TEMP_SUFFIX, PositionalFileSession
 
 
 class GenericWriteSession(PositionalFileSession):
@@ -110,8 +110,8 @@ class GenericWriter(StorageWriter):
         if self.fs.exists(remote):
             self.fs.rm(remote, recursive=True)
 
-    def clean_stale(self, directory: str) -> list[str]:
-        """Remove temporary objects older than an hour (their writer cannot be asked whether it is alive)."""
+    def clean_stale(self, directory: str, max_age_s: float = DEFAULT_STALE_AGE_S) -> list[str]:
+        """Remove temporary objects older than ``max_age_s`` (their writer cannot be asked whether it is alive)."""
         remote = self._strip(directory)
         try:
             entries = self.fs.ls(remote, detail=True)
@@ -124,7 +124,7 @@ class GenericWriter(StorageWriter):
             if not posixpath.basename(name).endswith(TEMP_SUFFIX):
                 continue
             modified = _modified_time(entry)
-            if modified is None or now - modified > FOREIGN_TEMP_AGE_S:
+            if modified is None or now - modified > max_age_s:
                 self.fs.rm(name)
                 removed.append(name)
         return removed

@@ -11,6 +11,8 @@ Temporary files are named ``.<name>.<host>.<pid>.<token>.datastates-tmp``: hidde
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import re
 import shutil
@@ -18,9 +20,9 @@ import socket
 import threading
 import time
 import uuid
-from typing import BinaryIO
+from typing import BinaryIO, Iterator
 
-from lightning_datastates.storage.base import StorageWriter, WriteSession
+from lightning_datastates.storage.base import DEFAULT_STALE_AGE_S, StorageWriter, WriteSession
 
 TEMP_SUFFIX = ".datastates-tmp"
 _TEMP_PATTERN = re.compile(
@@ -28,8 +30,8 @@ _TEMP_PATTERN = re.compile(
 )
 #: Longest file name most POSIX file systems accept.
 _MAX_NAME_BYTES = 255
-#: A temporary file of another host is only removed once untouched this long: its writer may be alive.
-FOREIGN_TEMP_AGE_S = 3600.0
+#: A temporary file of another host is only removed once untouched this long by default: its writer may be alive.
+FOREIGN_TEMP_AGE_S = DEFAULT_STALE_AGE_S
 
 
 def is_local_path(path: str) -> bool:
@@ -59,11 +61,16 @@ class PositionalFileSession(WriteSession):
         self._lock = threading.Lock()
 
     def write_range(self, offset: int, data: memoryview) -> None:
-        """``pwrite`` all of ``data`` at ``offset`` (retrying short writes)."""
+        """``pwrite`` all of ``data`` at ``offset`` (retrying short writes).
+
+        Raises:
+            OSError: as ``os.pwrite``; a full disk, an exceeded quota or file-size limit say so and name the path.
+        """
         fd = self._fd
         if fd is None:
             raise RuntimeError(f"write to {self.path} after its session ended")
-        write_all(fd, data, offset)
+        with out_of_space_named(self.path):
+            write_all(fd, data, offset)
 
     def _take_fd(self) -> int | None:
         """The open descriptor, or None if already taken (call with ``_lock`` held)."""
@@ -85,7 +92,10 @@ class LocalWriteSession(PositionalFileSession):
             if fd is None:
                 raise RuntimeError(f"{self.path}: session already ended")
             try:
-                os.fsync(fd)  # the bytes are durable before the name points at them
+                # The bytes are durable before the name points at them. With delayed allocation (NFS, XFS, ...) a
+                # full disk is reported only here.
+                with out_of_space_named(self.path):
+                    os.fsync(fd)
             finally:
                 os.close(fd)
             os.replace(self.temp_path, self.path)  # atomic: readers see the old file or the new one, whole
@@ -117,14 +127,19 @@ class LocalWriter(StorageWriter):
         """Create the directory if needed and open a fresh temporary file beside ``path``."""
         path = local_path(path)
         if os.path.isdir(path):
-            raise IsADirectoryError(f"{path} is a directory; a checkpoint file path was expected")
+            raise IsADirectoryError(
+                errno.EISDIR,
+                f"{path} is a directory; a checkpoint file path was expected: remove the directory or choose a file "
+                "name (ModelCheckpoint's filename, or Trainer.save_checkpoint('dir/name.ckpt'))",
+            )
         directory = os.path.dirname(path) or "."
-        os.makedirs(directory, exist_ok=True)
         suffix = f".{_host_tag()}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TEMP_SUFFIX}"
         # Shorten the name part if needed: a valid checkpoint name must not make the temporary name too long.
         name = os.path.basename(path)[: max(1, _MAX_NAME_BYTES - 1 - len(suffix))]
         temp_path = os.path.join(directory, f".{name}{suffix}")
-        fd = os.open(temp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        with _unwritable_directory_named(directory):
+            os.makedirs(directory, exist_ok=True)
+            fd = os.open(temp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         return LocalWriteSession(path, temp_path, fd)
 
     def exists(self, path: str) -> bool:
@@ -146,13 +161,13 @@ class LocalWriter(StorageWriter):
         except FileNotFoundError:
             pass
 
-    def clean_stale(self, directory: str) -> list[str]:
-        """Remove temporary files of dead processes on this host, and of other hosts once an hour old."""
+    def clean_stale(self, directory: str, max_age_s: float = DEFAULT_STALE_AGE_S) -> list[str]:
+        """Remove temporary files of dead processes on this host, and of other hosts once ``max_age_s`` old."""
         directory = local_path(directory)
         try:
             names = os.listdir(directory)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
+        except (FileNotFoundError, NotADirectoryError, PermissionError):
+            return []  # nothing there, or nothing we may clean (writing there then fails with the fix named)
         removed = []
         host, now = _host_tag(), time.time()
         for name in names:
@@ -164,7 +179,7 @@ class LocalWriter(StorageWriter):
                 stale = int(match["pid"]) != os.getpid() and not _pid_alive(int(match["pid"]))
             else:
                 try:
-                    stale = now - os.stat(full).st_mtime > FOREIGN_TEMP_AGE_S
+                    stale = now - os.stat(full).st_mtime > max_age_s
                 except FileNotFoundError:
                     continue
             if stale:
@@ -174,6 +189,49 @@ class LocalWriter(StorageWriter):
                 except FileNotFoundError:
                     pass
         return removed
+
+
+#: errno values meaning "no room for this file": disk full, quota exceeded, file-size limit (RLIMIT_FSIZE).
+_OUT_OF_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+@contextlib.contextmanager
+def _unwritable_directory_named(directory: str) -> Iterator[None]:
+    """Re-raise "cannot create a file in ``directory``" errors with the directory and the fix in the message."""
+    try:
+        yield
+    except (FileExistsError, NotADirectoryError) as exc:  # makedirs: a component of the path is a file
+        raise NotADirectoryError(
+            errno.ENOTDIR,
+            f"cannot write checkpoints in {directory}: {exc.filename or directory} is a file, not a directory; "
+            "choose another checkpoint directory (ModelCheckpoint(dirpath=...)) or move the file",
+        ) from exc
+    except OSError as exc:
+        fixes = {
+            errno.EACCES: "make it writable for this user or choose another directory (ModelCheckpoint(dirpath=...))",
+            errno.EPERM: "make it writable for this user or choose another directory (ModelCheckpoint(dirpath=...))",
+            errno.EROFS: "choose a directory on a writable file system (ModelCheckpoint(dirpath=...))",
+        }
+        if exc.errno not in fixes:
+            raise
+        raise type(exc)(
+            exc.errno, f"cannot write checkpoints in {directory}: {exc.strerror}; {fixes[exc.errno]}"
+        ) from exc
+
+
+@contextlib.contextmanager
+def out_of_space_named(path: str) -> Iterator[None]:
+    """Re-raise a full disk, exceeded quota or file-size limit as an ``OSError`` naming ``path`` and the fixes."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in _OUT_OF_SPACE:
+            raise
+        raise OSError(
+            exc.errno,
+            f"{exc.strerror} while writing {path}: free space on its file system, raise the quota or the file-size "
+            "limit (ulimit -f), or write checkpoints elsewhere",
+        ) from exc
 
 
 def write_all(fd: int, data: memoryview, offset: int) -> None:

@@ -8,6 +8,12 @@ the ETags in part order. S3 shows nothing under the key before that call and the
 the commit. ``abort`` (and any failure) sends ``AbortMultipartUpload``: an open upload is invisible but billed.
 A file of at most one part (an empty one too) is sent as one ``PutObject`` at ``complete`` instead.
 
+Leftovers: S3 lists open multipart uploads with neither host nor process, so each upload gets a small hidden
+*marker* object beside its key, ``.<name>.<host>.<pid>.<token>.datastates-upload`` holding the UploadId, written
+right after ``CreateMultipartUpload`` and deleted once the upload is completed or aborted. ``clean_stale`` aborts
+the uploads whose marker names a dead process of this host at once, and other uploads (another host, or a writer
+killed before its marker landed) once older than ``max_age_s``.
+
 Why not s3fs's own writer (see DESIGN.md, storage facts): ``with fs.open(p, "wb")`` commits what was written
 when the block raises, and so does a garbage-collected file; its parts go one at a time; ``pipe_file`` wants
 ``bytes`` and fixed 50 MiB parts. Retries and timeouts are ours: the file system used for data has s3fs's and
@@ -29,7 +35,9 @@ import logging
 import math
 import os
 import random
+import re
 import threading
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -39,9 +47,9 @@ import fsspec.asyn
 
 from lightning_datastates.config import Size, parse_size
 from lightning_datastates.errors import ConfigError
-from lightning_datastates.storage.base import StorageWriter, WriteSession
+from lightning_datastates.storage.base import DEFAULT_STALE_AGE_S, StorageWriter, WriteSession
 from lightning_datastates.storage.generic import FSSPEC_KEYS, declared_options, reject_unknown_options
-from lightning_datastates.storage.local import FOREIGN_TEMP_AGE_S
+from lightning_datastates.storage.local import _host_tag, _pid_alive
 
 log = logging.getLogger("lightning_datastates")
 
@@ -51,8 +59,20 @@ MIN_PART_BYTES = 5 * MiB
 MAX_PART_BYTES = 5 * 1024**3
 MAX_PARTS = 10_000
 MAX_OBJECT_BYTES = 5 * 1024**4
-#: Open multipart uploads older than this are aborted by ``clean_stale`` (their writer cannot be asked).
-STALE_UPLOAD_AGE_S = FOREIGN_TEMP_AGE_S
+#: Open multipart uploads whose writer cannot be asked are aborted by ``clean_stale`` once this old (by default).
+STALE_UPLOAD_AGE_S = DEFAULT_STALE_AGE_S
+#: Suffix of the marker objects naming the process behind an open multipart upload (see the module docstring).
+UPLOAD_MARKER_SUFFIX = ".datastates-upload"
+_MARKER_PATTERN = re.compile(
+    r"^\.(?P<name>.+)\.(?P<host>[^.]+)\.(?P<pid>\d+)\.(?P<token>[0-9a-f]{8})" + re.escape(UPLOAD_MARKER_SUFFIX) + "$"
+)
+#: Fixes to suggest for S3 error codes that a user can act on.
+_ERROR_HINTS = {
+    "NoSuchBucket": "create the bucket or fix the bucket name in the checkpoint URL",
+    "AccessDenied": "check the credentials (storage_options key/secret or the AWS_* variables) and the bucket policy",
+    "InvalidAccessKeyId": "check the credentials (storage_options key/secret or the AWS_* variables)",
+    "SignatureDoesNotMatch": "check the credentials (storage_options key/secret or the AWS_* variables)",
+}
 #: Settings of the writer itself, accepted in ``storage_options`` beside the s3fs options.
 TUNABLES = ("part_size_bytes", "max_concurrent_parts", "retries", "timeout_s")
 #: s3fs options that would break the synchronous driver.
@@ -82,6 +102,8 @@ _PERMANENT_ERRORS = {
 #: Multipart uploads this process has open: ``clean_stale`` never aborts them, however old.
 _OPEN_UPLOADS: set[str] = set()
 _OPEN_UPLOADS_LOCK = threading.Lock()
+#: (data file system, bucket) pairs known to exist: the bucket check costs one request per bucket and process.
+_KNOWN_BUCKETS: set[tuple[int, str]] = set()
 
 
 class S3WriteError(OSError):
@@ -141,12 +163,22 @@ class S3WriteSession(WriteSession):
     after the last ``write_range`` returned; part uploads run as tasks on s3fs's event loop.
     """
 
-    def __init__(self, writer: S3Writer, path: str, bucket: str, key: str, plan: PartPlan, upload_id: str | None):
+    def __init__(
+        self,
+        writer: S3Writer,
+        path: str,
+        bucket: str,
+        key: str,
+        plan: PartPlan,
+        upload_id: str | None,
+        marker: UploadMarker | None = None,
+    ):
         self.path = path
         self.bucket = bucket
         self.key = key
         self.plan = plan
         self.upload_id = upload_id
+        self.marker = marker
         self._writer = writer
         self._loop = writer.loop
         self._cond = threading.Condition()
@@ -296,6 +328,7 @@ class S3WriteSession(WriteSession):
                     ),
                 )
                 _forget_upload(self.upload_id)
+                self._drop_marker()
             with self._cond:
                 self._state = _COMPLETED
         except BaseException:
@@ -346,13 +379,30 @@ class S3WriteSession(WriteSession):
             )
         except S3WriteError as exc:
             raise S3WriteError(
-                f"{exc}; multipart upload {upload_id} stays open until clean_stale removes it (after "
-                f"{STALE_UPLOAD_AGE_S / 3600:g} h)"
+                f"{exc}; multipart upload {upload_id} stays open until clean_stale removes it (once this process "
+                f"ended, or after {STALE_UPLOAD_AGE_S / 3600:g} h from another host)"
             ) from exc.__cause__
+        else:
+            self._drop_marker()  # only once the upload is gone: the marker tells clean_stale whose upload it is
         finally:
             _forget_upload(upload_id)
             with self._cond:
                 self._futures.clear()
+
+    def _drop_marker(self) -> None:
+        """Delete the upload's marker (best effort: ``clean_stale`` removes markers left behind)."""
+        marker, self.marker = self.marker, None
+        if marker is None:
+            return
+        try:
+            marker.written.result(timeout=self._writer.timeout_s)
+            self._writer._run(
+                f"removing the upload marker of {self.path}",
+                lambda: self._writer._call("delete_object", Bucket=self.bucket, Key=marker.key),
+                missing_ok=True,
+            )
+        except Exception:  # noqa: BLE001 - advisory object; the checkpoint itself is settled
+            log.warning("lightning_datastates: could not remove the upload marker of %s", self.path, exc_info=True)
 
     # ------------------------------------------------------------------ helpers (call with the lock held)
     def _check_open(self) -> None:
@@ -372,6 +422,43 @@ def _assemble(length: int, pieces: list[tuple[int, bytes]]) -> bytes | bytearray
     for offset, piece in pieces:
         body[offset : offset + len(piece)] = piece
     return body
+
+
+@dataclass
+class UploadMarker:
+    """The marker object of one multipart upload; ``written`` completes once its ``PutObject`` ended."""
+
+    key: str
+    written: concurrent.futures.Future[Any]
+
+
+def marker_key(key: str) -> str:
+    """The key of the marker object for an upload to ``key`` by this process."""
+    directory, _, name = key.rpartition("/")
+    marker = f".{name}.{_host_tag()}.{os.getpid()}.{uuid.uuid4().hex[:8]}{UPLOAD_MARKER_SUFFIX}"
+    return f"{directory}/{marker}" if directory else marker
+
+
+@dataclass(frozen=True)
+class MarkerInfo:
+    """A marker found by ``clean_stale``: which host and process opened upload ``upload_id``."""
+
+    key: str
+    host: str
+    pid: int
+    upload_id: str
+    modified: datetime | None
+
+
+def _writer_gone(marker: MarkerInfo | None, age_s: float | None, max_age_s: float) -> bool:
+    """Whether the writer of an upload (or marker) is certainly or presumably gone.
+
+    This host's processes can be asked (this process itself calls only when it no longer writes the upload);
+    others count as gone once the upload is older than ``max_age_s`` (an unknown age counts as old).
+    """
+    if marker is not None and marker.host == _host_tag():
+        return marker.pid == os.getpid() or not _pid_alive(marker.pid)
+    return age_s is None or age_s > max_age_s
 
 
 def _forget_upload(upload_id: str | None) -> None:
@@ -432,7 +519,8 @@ class S3Writer(StorageWriter):
         if not key:
             raise ValueError(f"{path} names a bucket, not an object; a checkpoint file path was expected")
         plan = plan_parts(total_bytes, self.part_size_bytes)
-        upload_id = None
+        self._check_bucket(bucket, path)
+        upload_id, marker = None, None
         if plan.multipart:
             response = self._run(
                 f"starting the upload of {path}",
@@ -441,7 +529,34 @@ class S3Writer(StorageWriter):
             upload_id = str(response["UploadId"])
             with _OPEN_UPLOADS_LOCK:
                 _OPEN_UPLOADS.add(upload_id)
-        return S3WriteSession(self, path, bucket, key, plan, upload_id)
+            marker = self._write_marker(path, bucket, key, upload_id)
+        return S3WriteSession(self, path, bucket, key, plan, upload_id, marker)
+
+    def _check_bucket(self, bucket: str, path: str) -> None:
+        """Fail at the save call, not in the background, when the bucket does not exist (checked once per bucket).
+
+        Raises:
+            S3NotFoundError: no such bucket (the message says to create it or fix the URL).
+        """
+        known = (id(self._data_fs), bucket)
+        if known in _KNOWN_BUCKETS:
+            return
+        try:
+            self._run(f"checking the bucket of {path}", lambda: self._call("head_bucket", Bucket=bucket))
+        except S3NotFoundError as exc:
+            raise S3NotFoundError(
+                f"cannot write {path}: bucket {bucket!r} does not exist; {_ERROR_HINTS['NoSuchBucket']}"
+            ) from exc.__cause__
+        _KNOWN_BUCKETS.add(known)
+
+    def _write_marker(self, path: str, bucket: str, key: str, upload_id: str) -> UploadMarker:
+        """Start writing the marker of a new upload (not waited for here: it overlaps the first parts)."""
+        marker = marker_key(key)
+        request = self._with_retries(
+            f"recording the upload of {path}",
+            lambda: self._call("put_object", Bucket=bucket, Key=marker, Body=upload_id.encode()),
+        )
+        return UploadMarker(marker, asyncio.run_coroutine_threadsafe(request, self.loop))
 
     def exists(self, path: str) -> bool:
         """Whether an object (or a "directory" prefix) exists at ``path``; asks S3, not a listing cache."""
@@ -469,36 +584,82 @@ class S3Writer(StorageWriter):
         self._invalidate(path)
         return self.fs.open(self._strip(path), "rb")
 
-    def clean_stale(self, directory: str) -> list[str]:
-        """Abort open multipart uploads of keys directly in ``directory`` started over an hour ago (not by this
-        process); return their ``s3://`` paths.
+    def clean_stale(self, directory: str, max_age_s: float = STALE_UPLOAD_AGE_S) -> list[str]:
+        """Abort the open multipart uploads that crashed runs left for keys directly in ``directory``; return their
+        ``s3://`` paths.
 
-        Whether the process that started an upload is dead cannot be told from S3 (a listing carries no metadata),
-        so only age counts.
+        An upload whose marker names a process of this host that is dead (or this process, which no longer writes
+        it) is aborted at once; any other upload not of this process once it is older than ``max_age_s``. Markers
+        whose upload is gone are removed by the same rules.
         """
         bucket, prefix = self._split(directory)
         prefix = prefix.rstrip("/") + "/" if prefix.strip("/") else ""
         try:
             uploads = self._run(f"listing open uploads in {directory}", lambda: self._list_uploads(bucket, prefix))
+            markers = self._run(f"listing upload markers in {directory}", lambda: self._list_markers(bucket, prefix))
         except S3NotFoundError:
             return []  # no such bucket: nothing to clean
-        removed = []
         now = datetime.now(timezone.utc)
         with _OPEN_UPLOADS_LOCK:
             ours = set(_OPEN_UPLOADS)
+        writer_of = {marker.upload_id: marker for marker in markers}
+        removed, aborted = [], set()
         for upload in uploads:
             key, upload_id, initiated = upload["Key"], upload["UploadId"], upload.get("Initiated")
             if "/" in key[len(prefix) :] or upload_id in ours:
                 continue
-            if initiated is not None and (now - initiated).total_seconds() <= STALE_UPLOAD_AGE_S:
+            marker = writer_of.get(upload_id)
+            age_s = None if initiated is None else (now - initiated).total_seconds()
+            if not _writer_gone(marker, age_s, max_age_s):
                 continue
             self._run(
                 f"aborting the stale upload of s3://{bucket}/{key}",
                 functools.partial(self._call, "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id),
                 missing_ok=True,
             )
+            aborted.add(upload_id)
             removed.append(f"s3://{bucket}/{key}")
+        still_open = {upload["UploadId"] for upload in uploads} - aborted
+        for marker in markers:
+            if marker.upload_id in still_open or marker.upload_id in ours:
+                continue
+            age_s = None if marker.modified is None else (now - marker.modified).total_seconds()
+            if _writer_gone(marker, age_s, max_age_s):
+                self._run(
+                    f"removing the upload marker s3://{bucket}/{marker.key}",
+                    functools.partial(self._call, "delete_object", Bucket=bucket, Key=marker.key),
+                    missing_ok=True,
+                )
         return removed
+
+    async def _list_markers(self, bucket: str, prefix: str) -> list[MarkerInfo]:
+        """The upload markers directly under ``prefix``, with the UploadId each one holds."""
+        found: list[tuple[str, Any, re.Match[str]]] = []
+        token: dict[str, str] = {}
+        while True:
+            page = await self._call("list_objects_v2", Bucket=bucket, Prefix=prefix, Delimiter="/", **token)
+            for item in page.get("Contents", []):
+                match = _MARKER_PATTERN.match(item["Key"][len(prefix) :])
+                if match is not None:
+                    found.append((item["Key"], item.get("LastModified"), match))
+            if not page.get("IsTruncated"):
+                break
+            token = {"ContinuationToken": page["NextContinuationToken"]}
+
+        async def read(key: str) -> str:
+            response = await self._call("get_object", Bucket=bucket, Key=key)
+            try:
+                return (await response["Body"].read()).decode("ascii", "replace").strip()
+            finally:
+                response["Body"].close()
+
+        bodies = await asyncio.gather(*(read(key) for key, _, _ in found), return_exceptions=True)
+        markers = []
+        for (key, modified, match), body in zip(found, bodies, strict=True):
+            if isinstance(body, BaseException):
+                continue  # removed meanwhile (its writer finished): nothing to decide
+            markers.append(MarkerInfo(key, match["host"], int(match["pid"]), body, modified))
+        return markers
 
     # ------------------------------------------------------------------ fast load
     def read_bytes(self, path: str) -> bytearray:
@@ -728,6 +889,7 @@ def clear_filesystem_cache() -> None:
     """Forget the cached s3fs instances (tests: a fresh client per test)."""
     with _FILESYSTEMS_LOCK:
         _FILESYSTEMS.clear()
+        _KNOWN_BUCKETS.clear()
 
 
 # ---------------------------------------------------------------------------------------------------- errors
@@ -763,7 +925,8 @@ def _describe(exc: BaseException) -> str:
     if error is not None:
         info = error.response.get("Error", {})
         status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        return f"{info.get('Code')} (HTTP {status}): {info.get('Message') or exc}"
+        hint = _ERROR_HINTS.get(str(info.get("Code")))
+        return f"{info.get('Code')} (HTTP {status}): {info.get('Message') or exc}" + (f"; {hint}" if hint else "")
     if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):  # distinct classes before Python 3.11
         return "no answer within timeout_s"
     return f"{type(exc).__name__}: {exc}"
