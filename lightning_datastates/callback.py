@@ -15,6 +15,7 @@ explicitly as well (the first instance to set up drives the plugin, the others s
 from __future__ import annotations
 
 import logging
+import sys
 import types
 from typing import Any
 
@@ -50,9 +51,10 @@ class DataStatesCallback(Callback):
             return
         self._plugin, self._trainer = plugin, trainer
         # Run our hooks first, so the barrier precedes other callbacks' mutations (SWA at epoch start, ...).
-        if trainer.callbacks and trainer.callbacks[0] is not self and self in trainer.callbacks:
-            trainer.callbacks.remove(self)
-            trainer.callbacks.insert(0, self)
+        callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning, unannotated
+        if callbacks and callbacks[0] is not self and self in callbacks:
+            callbacks.remove(self)
+            callbacks.insert(0, self)
         for checkpoint_callback in trainer.checkpoint_callbacks:
             if isinstance(checkpoint_callback, ModelCheckpoint):
                 self._patch_file_exists(checkpoint_callback, plugin)
@@ -144,7 +146,8 @@ class DataStatesCallback(Callback):
                 break
             except Exception as failure:  # noqa: BLE001 - reported as a note, never swallowed
                 log.error("lightning_datastates: %s", failure)
-                exception.add_note(f"lightning_datastates: {failure}")
+                if sys.version_info >= (3, 11):  # notes are new in 3.11; on 3.10 the log line above is the report
+                    exception.add_note(f"lightning_datastates: {failure}")
         self._release()  # Lightning calls no teardown hook of callbacks after an exception
 
     # ------------------------------------------------------------------ helpers

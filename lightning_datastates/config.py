@@ -6,12 +6,12 @@ import os
 import re
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Any, Union
+from typing import Any
 
 from lightning_datastates.errors import ConfigError
 
 #: A size setting: bytes as an int, or a string such as ``"8GiB"``, ``"512MB"``, ``"4096"``.
-Size = Union[int, str]
+Size = int | str
 
 _UNITS = {
     "": 1,

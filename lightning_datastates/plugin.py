@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
+from lightning.pytorch.plugins.io import CheckpointIO
 
 from lightning_datastates.config import DataStatesConfig, Size
 from lightning_datastates.errors import CheckpointFlushError

@@ -20,7 +20,8 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -237,7 +238,7 @@ class SnapshotEngine:
         """The out-of-order layout; failing that, the checkpoint serialized by a plain ``torch.save`` now."""
         try:
             return plan_layout(checkpoint)
-        except Exception as reason:  # LayoutUnsupported, skip_data refused, or an object that cannot be pickled
+        except Exception as reason:  # noqa: BLE001 - LayoutUnsupported, skip_data refused, or an object that cannot be pickled
             buffer = io.BytesIO()
             try:
                 torch.save(checkpoint, buffer)
@@ -386,7 +387,7 @@ class SnapshotEngine:
         if job.state is not JobState.COMMITTED:
             try:
                 job.session.abort()
-            except Exception:  # noqa: BLE001 - the primary failure (or the cancel) is what matters
+            except Exception:
                 log.exception("lightning_datastates: could not remove the temporary file of %s", job.path)
             job.state = JobState.FAILED if job.error is not None else JobState.CANCELLED
         job.stats.state = job.state.value
@@ -396,7 +397,7 @@ class SnapshotEngine:
         for path, remove in self._settle_removals(job):
             try:
                 remove()
-            except Exception:  # noqa: BLE001 - a file left behind is logged; it costs no checkpoint
+            except Exception:
                 log.exception("lightning_datastates: could not remove %s", path)
         with self._lock:
             if job.error is not None:
