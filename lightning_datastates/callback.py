@@ -24,7 +24,9 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 
+from lightning_datastates.metrics import CheckpointMetrics
 from lightning_datastates.plugin import DataStatesIO
+from lightning_datastates.progress import drain_with_progress
 from lightning_datastates.snapshot.engine import LazyPredicate
 
 log = logging.getLogger("lightning_datastates")
@@ -42,6 +44,7 @@ class DataStatesCallback(Callback):
         self._trainer: Trainer | None = None
         self._armed = False  # inside the training loop, where the barriers below are guaranteed to run
         self._patched: list[ModelCheckpoint] = []
+        self._metrics = CheckpointMetrics()
 
     # ------------------------------------------------------------------ wiring
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -50,6 +53,7 @@ class DataStatesCallback(Callback):
         if plugin is None or not plugin.attach(self):
             return
         self._plugin, self._trainer = plugin, trainer
+        self._metrics.start(plugin)
         # Run our hooks first, so the barrier precedes other callbacks' mutations (SWA at epoch start, ...).
         callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning, unannotated
         if callbacks and callbacks[0] is not self and self in callbacks:
@@ -123,9 +127,14 @@ class DataStatesCallback(Callback):
         self._barrier()
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Barrier, and disarm: after training nothing guarantees another barrier."""
+        """Barrier, and disarm: after training nothing guarantees another barrier. Then drain (with a progress bar),
+        log the checkpoint metrics and print their summary while the loggers are still open."""
         self._barrier()
         self._armed = False
+        if self._plugin is not None:
+            drain_with_progress(trainer, self._plugin)
+            self._metrics.finish(trainer, self._plugin)  # on every rank, before a failure is raised: it syncs
+            self._check()
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Drain: every checkpoint of this fit is on storage (or its failure raised) when fit returns."""
@@ -159,6 +168,8 @@ class DataStatesCallback(Callback):
     def _check(self) -> None:
         if self._plugin is not None:
             self._plugin.raise_pending_failure()
+            if self._trainer is not None:
+                self._metrics.observe(self._trainer, self._plugin)
 
     def _patch_file_exists(self, checkpoint_callback: ModelCheckpoint, plugin: DataStatesIO) -> None:
         """Make ModelCheckpoint see files as a synchronous run would: pending saves exist, deferred removals don't.

@@ -358,6 +358,7 @@ class SnapshotEngine:
                     if kind == "metadata":
                         for offset, data in job.layout.metadata:
                             job.session.write_range(offset, memoryview(data))
+                            job.add_written(len(data))
                     else:
                         self._write_chunk(job, task[2], task[3])
             except BaseException as exc:  # noqa: BLE001 - reported on the training thread, never lost
@@ -373,6 +374,7 @@ class SnapshotEngine:
         view = self.arena.memoryview(block)
         for piece in chunk.pieces:
             job.session.write_range(piece.file_offset, view[piece.block_offset : piece.block_offset + piece.nbytes])
+            job.add_written(piece.nbytes)
 
     def _schedule_commit(self, job: SnapshotJob) -> None:
         self._write_queue.put(("commit", job))
