@@ -86,8 +86,19 @@ def _rich_bar(bar_callback: RichProgressBar, total_bytes: int) -> Iterator[_Bar]
         rich_progress.TransferSpeedColumn(),
         rich_progress.TimeRemainingColumn(),
     )
-    with rich_progress.Progress(*columns, console=console) as progress:
+    from rich.errors import LiveError
+
+    progress = rich_progress.Progress(*columns, console=console)
+    try:
+        progress.start()
+    except LiveError:  # rich before 14 allows one live display at a time: fall back to tqdm
+        with _tqdm_bar(bar_callback, total_bytes) as bar:
+            yield bar
+        return
+    try:
         yield _RichBar(progress, progress.add_task(DESCRIPTION, total=total_bytes))
+    finally:
+        progress.stop()
 
 
 class _TqdmBar:
