@@ -7,7 +7,6 @@ the bar's creation), so the bar is certain to have bytes left to show, without a
 from __future__ import annotations
 
 import os
-import threading
 from contextlib import contextmanager
 
 import pytest
