@@ -151,7 +151,12 @@ class DataStatesIO(CheckpointIO):
             return
         self._engine.close()
         for failed in self._engine.unreported_failures():
-            log.error("lightning_datastates: writing checkpoint %s failed: %r", failed.path, failed.error)
+            log.error(
+                "lightning_datastates: writing checkpoint %s failed: %r (raised as CheckpointFlushError by the next "
+                "call of the plugin); earlier checkpoints are intact",
+                failed.path,
+                failed.error,
+            )
 
     # ------------------------------------------------------------------ used by the callback and the demo
     @property

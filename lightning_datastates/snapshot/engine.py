@@ -185,7 +185,11 @@ class SnapshotEngine:
         self.cancel_path(path)
         with self._lock:
             if self._failures:  # a newer checkpoint already failed (not yet reported): keep this one
-                log.warning("lightning_datastates: keeping %s, which was to be removed: a newer write failed", path)
+                log.warning(
+                    "lightning_datastates: keeping %s, which was to be removed: a newer write failed (raised as "
+                    "CheckpointFlushError). Delete it by hand once a newer checkpoint is saved, if you do not need it.",
+                    path,
+                )
                 return
             waiting = [job for job in self._active if not job.settled]
             if waiting:
@@ -251,7 +255,9 @@ class SnapshotEngine:
             if not self._warned_fallback:
                 log.warning(
                     "lightning_datastates: cannot plan an out-of-order layout (%r); this checkpoint is serialized "
-                    "with a plain torch.save into host memory during the save call instead (slower, still correct).",
+                    "with a plain torch.save into host memory during the save call instead (slower, still correct; "
+                    "warned once). Tensors without plain storage (quantized, sparse) cause this: keep them out of the "
+                    "checkpoint to save lazily.",
                     reason,
                 )
                 self._warned_fallback = True
@@ -390,7 +396,10 @@ class SnapshotEngine:
             try:
                 job.session.abort()
             except Exception:
-                log.exception("lightning_datastates: could not remove the temporary file of %s", job.path)
+                log.exception(
+                    "lightning_datastates: could not remove the temporary file of %s; the next run removes it at setup",
+                    job.path,
+                )
             job.state = JobState.FAILED if job.error is not None else JobState.CANCELLED
         job.stats.state = job.state.value
         job.stats.durable_s = time.perf_counter() - job.stats.started_at
@@ -400,7 +409,7 @@ class SnapshotEngine:
             try:
                 remove()
             except Exception:
-                log.exception("lightning_datastates: could not remove %s", path)
+                log.exception("lightning_datastates: could not remove %s (a top-k removal); delete it by hand", path)
         with self._lock:
             if job.error is not None:
                 self._failures.append(job)
