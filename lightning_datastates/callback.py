@@ -15,6 +15,7 @@ explicitly as well (the first instance to set up drives the plugin, the others s
 from __future__ import annotations
 
 import logging
+import sys
 import types
 from typing import Any
 
@@ -23,7 +24,9 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 
+from lightning_datastates.metrics import CheckpointMetrics
 from lightning_datastates.plugin import DataStatesIO
+from lightning_datastates.progress import drain_with_progress
 from lightning_datastates.snapshot.engine import LazyPredicate
 from lightning_datastates.strategies import warn_if_bypassed
 
@@ -42,6 +45,7 @@ class DataStatesCallback(Callback):
         self._trainer: Trainer | None = None
         self._armed = False  # inside the training loop, where the barriers below are guaranteed to run
         self._patched: list[ModelCheckpoint] = []
+        self._metrics = CheckpointMetrics()
 
     # ------------------------------------------------------------------ wiring
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -51,10 +55,12 @@ class DataStatesCallback(Callback):
             return
         self._plugin, self._trainer = plugin, trainer
         warn_if_bypassed(trainer.strategy)  # sharded FSDP, DeepSpeed, ...: their saves never reach the plugin
+        self._metrics.start(plugin)
         # Run our hooks first, so the barrier precedes other callbacks' mutations (SWA at epoch start, ...).
-        if trainer.callbacks and trainer.callbacks[0] is not self and self in trainer.callbacks:
-            trainer.callbacks.remove(self)
-            trainer.callbacks.insert(0, self)
+        callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning, unannotated
+        if callbacks and callbacks[0] is not self and self in callbacks:
+            callbacks.remove(self)
+            callbacks.insert(0, self)
         for checkpoint_callback in trainer.checkpoint_callbacks:
             if isinstance(checkpoint_callback, ModelCheckpoint):
                 self._patch_file_exists(checkpoint_callback, plugin)
@@ -123,9 +129,14 @@ class DataStatesCallback(Callback):
         self._barrier()
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Barrier, and disarm: after training nothing guarantees another barrier."""
+        """Barrier, and disarm: after training nothing guarantees another barrier. Then drain (with a progress bar),
+        log the checkpoint metrics and print their summary while the loggers are still open."""
         self._barrier()
         self._armed = False
+        if self._plugin is not None:
+            drain_with_progress(trainer, self._plugin)
+            self._metrics.finish(trainer, self._plugin)  # on every rank, before a failure is raised: it syncs
+            self._check()
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Drain: every checkpoint of this fit is on storage (or its failure raised) when fit returns."""
@@ -146,7 +157,8 @@ class DataStatesCallback(Callback):
                 break
             except Exception as failure:  # noqa: BLE001 - reported as a note, never swallowed
                 log.error("lightning_datastates: %s", failure)
-                exception.add_note(f"lightning_datastates: {failure}")
+                if sys.version_info >= (3, 11):  # notes are new in 3.11; on 3.10 the log line above is the report
+                    exception.add_note(f"lightning_datastates: {failure}")
         self._release()  # Lightning calls no teardown hook of callbacks after an exception
 
     # ------------------------------------------------------------------ helpers
@@ -158,6 +170,8 @@ class DataStatesCallback(Callback):
     def _check(self) -> None:
         if self._plugin is not None:
             self._plugin.raise_pending_failure()
+            if self._trainer is not None:
+                self._metrics.observe(self._trainer, self._plugin)
 
     def _patch_file_exists(self, checkpoint_callback: ModelCheckpoint, plugin: DataStatesIO) -> None:
         """Make ModelCheckpoint see files as a synchronous run would: pending saves exist, deferred removals don't.

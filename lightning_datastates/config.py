@@ -6,12 +6,12 @@ import os
 import re
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Any, Literal, Union, get_args
+from typing import Any, Literal, get_args
 
 from lightning_datastates.errors import ConfigError
 
 #: A size setting: bytes as an int, or a string such as ``"8GiB"``, ``"512MB"``, ``"4096"``.
-Size = Union[int, str]
+Size = int | str
 
 # ---------------------------------------------------------------------------------------------- fault policies
 #: What training does when a checkpoint fails to reach storage: raise ``CheckpointFlushError`` at the next hook, or

@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
+from lightning.pytorch.plugins.io import CheckpointIO
 
 from lightning_datastates.config import DEFAULT_STALE_AFTER_S, ArenaFullPolicy, DataStatesConfig, FlushErrorPolicy, Size
 from lightning_datastates.errors import CheckpointFlushError
@@ -171,7 +171,12 @@ class DataStatesIO(CheckpointIO):
             return
         self._engine.close()
         for failed in self._engine.unreported_failures():
-            log.error("lightning_datastates: writing checkpoint %s failed: %r", failed.path, failed.error)
+            log.error(
+                "lightning_datastates: writing checkpoint %s failed: %r (raised as CheckpointFlushError by the next "
+                "call of the plugin); earlier checkpoints are intact",
+                failed.path,
+                failed.error,
+            )
 
     # ------------------------------------------------------------------ used by the callback and the demo
     @property

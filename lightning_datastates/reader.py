@@ -7,7 +7,7 @@ through their storage writer's file system, with the plugin's ``storage_options`
 
 from __future__ import annotations
 
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 from lightning.fabric.utilities.cloud_io import _load as pl_load
@@ -31,8 +31,8 @@ def load_checkpoint(
         return pl_load(local_path(path), map_location=map_location, weights_only=weights_only)
     if isinstance(writer, S3Writer):
         # torch reads storages with readinto straight from the buffer: no second full copy (BytesIO would make one).
-        stream = BufferReader(writer.read_bytes(path))
-        return torch.load(stream, map_location=map_location, weights_only=weights_only)
+        buffer = cast(IO[bytes], BufferReader(writer.read_bytes(path)))  # a binary reader is all torch.load needs
+        return torch.load(buffer, map_location=map_location, weights_only=weights_only)
     with writer.open_read(path) as stream:
         return torch.load(stream, map_location=map_location, weights_only=weights_only)
 
@@ -53,5 +53,6 @@ class BufferReader(PositionedReader):
         return count
 
     def close(self) -> None:
+        """Release the view of the buffer."""
         self._view.release()
         super().close()

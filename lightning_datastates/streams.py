@@ -14,9 +14,11 @@ class PositionedReader(io.RawIOBase):
         self._position = 0
 
     def readable(self) -> bool:
+        """Always True."""
         return True
 
     def seekable(self) -> bool:
+        """Always True."""
         return True
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
@@ -28,4 +30,5 @@ class PositionedReader(io.RawIOBase):
         return self._position
 
     def tell(self) -> int:
+        """The current position."""
         return self._position

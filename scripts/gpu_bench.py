@@ -73,13 +73,11 @@ def main() -> None:
         sync_times.append(time.perf_counter() - started)
 
     print(f"pinned cudaMemcpy D2H: {memcpy_gbps:.1f} GiB/s")
-    print(
-        f"DataStatesIO copy rate (save call to copied, overlapping 200 ms of matmuls): {statistics.median(copy_rates):.1f} GiB/s"
-    )
+    copy_rate = statistics.median(copy_rates)
+    print(f"DataStatesIO copy rate (save call to copied, overlapping 200 ms of matmuls): {copy_rate:.1f} GiB/s")
     print(f"copy rate ratio vs cudaMemcpy: {statistics.median(copy_rates) / memcpy_gbps:.2f}x")
-    print(
-        f"blocked per checkpoint, DataStatesIO: p50 {1e3 * statistics.median(blocked):.1f} ms, max {1e3 * max(blocked):.1f} ms"
-    )
+    p50_ms, max_ms = 1e3 * statistics.median(blocked), 1e3 * max(blocked)
+    print(f"blocked per checkpoint, DataStatesIO: p50 {p50_ms:.1f} ms, max {max_ms:.1f} ms")
     print(f"blocked per checkpoint, TorchCheckpointIO: p50 {1e3 * statistics.median(sync_times):.1f} ms")
     print(f"ratio: {statistics.median(blocked) / statistics.median(sync_times):.4f}")
 

@@ -2,9 +2,9 @@
 
 * :func:`shared_server` starts one ``ThreadedMotoServer`` per test process, on a free port, on first use.
 * :func:`fresh_bucket` resets it (``POST /moto-api/reset``), drops cached s3fs clients and creates a bucket.
-* Fixtures (import the ``*_fixture`` functions into a test module): ``s3_endpoint`` (session: the server, plus dummy ``AWS_*`` variables and ``AWS_ENDPOINT_URL`` so plain
-  ``s3://`` URLs reach it, as in Lightning's own ``ModelCheckpoint``) and ``s3`` (per test: a fresh bucket; after
-  the test, no multipart upload may be left open).
+* Fixtures (import the ``*_fixture`` functions into a test module): ``s3_endpoint`` (session: the server, plus
+  dummy ``AWS_*`` variables and ``AWS_ENDPOINT_URL`` so plain ``s3://`` URLs reach it, as in Lightning's own
+  ``ModelCheckpoint``) and ``s3`` (per test: a fresh bucket; after the test, no multipart upload may be left open).
 * :class:`MotoProcess`: ``moto_server -H 127.0.0.1 -p PORT`` as a subprocess, killable and restartable on its port.
 
 Skips (not fails) when s3fs or moto's server extras are missing.

@@ -532,7 +532,7 @@ def test_save_raises_capture_error_naming_the_problem(tmp_path, name, builder, n
     plugin = DataStatesIO()
     target = str(tmp_path / "x.ckpt")
     if name == "open_file":
-        handle = open(tmp_path / "log.txt", "w")  # noqa: SIM115
+        handle = open(tmp_path / "log.txt", "w")
         try:
             with pytest.raises(CheckpointCaptureError) as info:
                 plugin.save_checkpoint({"callbacks": {"logger": {"file": handle}}, "w": torch.ones(1)}, target)

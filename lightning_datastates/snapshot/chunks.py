@@ -8,8 +8,8 @@ thousand).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from lightning_datastates.layout import StorageRecord
 

@@ -20,7 +20,8 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -192,7 +193,11 @@ class SnapshotEngine:
         self.cancel_path(path)
         with self._lock:
             if self._failures:  # a newer checkpoint already failed (not yet reported): keep this one
-                log.warning("lightning_datastates: keeping %s, which was to be removed: a newer write failed", path)
+                log.warning(
+                    "lightning_datastates: keeping %s, which was to be removed: a newer write failed (raised as "
+                    "CheckpointFlushError). Delete it by hand once a newer checkpoint is saved, if you do not need it.",
+                    path,
+                )
                 return
             if self._skipped_since_last_capture:  # the checkpoint that was to replace it was skipped
                 log.warning("lightning_datastates: keeping %s, which was to be removed: a newer save was skipped", path)
@@ -261,7 +266,7 @@ class SnapshotEngine:
         """The out-of-order layout; failing that, the checkpoint serialized by a plain ``torch.save`` now."""
         try:
             return plan_layout(checkpoint)
-        except Exception as reason:  # LayoutUnsupported, skip_data refused, or an object that cannot be pickled
+        except Exception as reason:  # noqa: BLE001 - LayoutUnsupported, skip_data refused, or an object that cannot be pickled
             buffer = io.BytesIO()
             try:
                 torch.save(checkpoint, buffer)
@@ -274,7 +279,9 @@ class SnapshotEngine:
             if not self._warned_fallback:
                 log.warning(
                     "lightning_datastates: cannot plan an out-of-order layout (%r); this checkpoint is serialized "
-                    "with a plain torch.save into host memory during the save call instead (slower, still correct).",
+                    "with a plain torch.save into host memory during the save call instead (slower, still correct; "
+                    "warned once). Tensors without plain storage (quantized, sparse) cause this: keep them out of the "
+                    "checkpoint to save lazily.",
                     reason,
                 )
                 self._warned_fallback = True
@@ -418,6 +425,7 @@ class SnapshotEngine:
                     if kind == "metadata":
                         for offset, data in job.layout.metadata:
                             job.session.write_range(offset, memoryview(data))
+                            job.add_written(len(data))
                     else:
                         self._write_chunk(job, task[2], task[3])
             except BaseException as exc:  # noqa: BLE001 - reported on the training thread, never lost
@@ -433,6 +441,7 @@ class SnapshotEngine:
         view = self.arena.memoryview(block)
         for piece in chunk.pieces:
             job.session.write_range(piece.file_offset, view[piece.block_offset : piece.block_offset + piece.nbytes])
+            job.add_written(piece.nbytes)
 
     def _schedule_commit(self, job: SnapshotJob) -> None:
         self._write_queue.put(("commit", job))
@@ -447,8 +456,11 @@ class SnapshotEngine:
         if job.state is not JobState.COMMITTED:
             try:
                 job.session.abort()
-            except Exception:  # noqa: BLE001 - the primary failure (or the cancel) is what matters
-                log.exception("lightning_datastates: could not remove the temporary file of %s", job.path)
+            except Exception:
+                log.exception(
+                    "lightning_datastates: could not remove the temporary file of %s; the next run removes it at setup",
+                    job.path,
+                )
             job.state = JobState.FAILED if job.error is not None else JobState.CANCELLED
         job.stats.state = job.state.value
         job.stats.durable_s = time.perf_counter() - job.stats.started_at
@@ -457,8 +469,8 @@ class SnapshotEngine:
         for path, remove in self._settle_removals(job):
             try:
                 remove()
-            except Exception:  # noqa: BLE001 - a file left behind is logged; it costs no checkpoint
-                log.exception("lightning_datastates: could not remove %s", path)
+            except Exception:
+                log.exception("lightning_datastates: could not remove %s (a top-k removal); delete it by hand", path)
         with self._lock:
             if job.error is not None:
                 self._failures.append(job)

@@ -10,8 +10,9 @@ from __future__ import annotations
 import enum
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -45,6 +46,7 @@ class SnapshotStats:
     payload_bytes: int
     started_at: float
     save_call_s: float = 0.0
+    written_bytes: int = 0  # handed to storage so far (the drain progress bar reads it)
     barrier_wait_s: float = 0.0
     copy_s: float | None = None
     durable_s: float | None = None
@@ -92,6 +94,11 @@ class SnapshotJob:
         with self.lock:
             if self.error is None:
                 self.error = exc
+
+    def add_written(self, nbytes: int) -> None:
+        """Count ``nbytes`` more bytes handed to storage (writer threads call this concurrently)."""
+        with self.lock:
+            self.stats.written_bytes += nbytes
 
     def add_outstanding(self, count: int = 1) -> None:
         """Register ``count`` more pieces of work that must end before the commit."""

@@ -338,7 +338,11 @@ class S3WriteSession(WriteSession):
             try:
                 self._abort_upload()
             except Exception:  # the failure that stopped the commit is the one to raise
-                log.exception("lightning_datastates: could not abort the upload of %s", self.path)
+                log.exception(
+                    "lightning_datastates: could not abort the multipart upload of %s (its parts are stored, and "
+                    "billed, until aborted); the next run's setup aborts it once an hour old",
+                    self.path,
+                )
             raise
         finally:
             self._pieces.clear()

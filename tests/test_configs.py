@@ -1,0 +1,123 @@
+"""The LightningCLI configs in configs/ run as shipped (with run-length and directory overrides) through LightningCLI.
+
+S3 runs against the loopback moto server; the Lustre config runs against a local directory standing in for Lustre
+(a local file system takes the same code path: temporary file, fsync, rename).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.cli import LightningCLI
+
+from lightning_datastates import ConfigError, DataStatesIO
+from tests.s3_server import fresh_bucket, s3_endpoint_fixture  # noqa: F401
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+MiB, GiB = 2**20, 2**30
+
+
+@pytest.fixture(autouse=True)
+def _examples_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))  # SmallGPT and TokenData, as examples/cli.py uses them
+    monkeypatch.setattr(sys, "argv", ["cli.py"])  # LightningCLI warns when pytest's own arguments are there too
+
+
+def _run_cli(tmp_path: Path, config: str, *overrides: str) -> LightningCLI:
+    from cli import SmallGPT
+    from gpt_data import TokenData
+
+    args = [
+        "fit",
+        "--config",
+        str(CONFIGS / config),
+        "--trainer.max_steps=4",
+        "--trainer.accelerator=cpu",
+        "--trainer.logger=false",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.callbacks.init_args.every_n_train_steps=2",
+        "--trainer.plugins.init_args.host_cache=64MiB",  # the shipped values are for real models
+        *overrides,
+    ]
+    return LightningCLI(SmallGPT, TokenData, args=args)
+
+
+def _plugin(cli: LightningCLI) -> DataStatesIO:
+    plugin = cli.trainer.strategy.checkpoint_io
+    assert isinstance(plugin, DataStatesIO)
+    return plugin
+
+
+def _assert_committed(plugin: DataStatesIO, names: list[str]) -> None:
+    assert [os.path.basename(s.path) for s in plugin.stats] == names
+    assert all(s.state == "committed" for s in plugin.stats)
+
+
+def test_local_config(tmp_path):
+    directory = tmp_path / "checkpoints"
+    cli = _run_cli(tmp_path, "local.yaml", f"--trainer.callbacks.init_args.dirpath={directory}")
+    plugin = _plugin(cli)
+    config = plugin.config
+    assert (config.host_cache_bytes, config.writer_threads, config.chunk_bytes, config.eager_copy_bytes) == (
+        64 * MiB,
+        4,
+        64 * MiB,
+        64 * 1024,
+    )
+    _assert_committed(plugin, ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"])
+    assert sorted(os.listdir(directory)) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
+    assert torch.load(directory / "epoch=0-step=4.ckpt", weights_only=True)["global_step"] == 4
+
+
+def test_sizes_take_integers_and_unit_strings(tmp_path):
+    cli = _run_cli(
+        tmp_path,
+        "local.yaml",
+        f"--trainer.callbacks.init_args.dirpath={tmp_path / 'c'}",
+        "--trainer.plugins.init_args.chunk_size=1048576",
+        "--trainer.plugins.init_args.eager_copy_size=4KiB",
+        "--trainer.max_steps=2",
+    )
+    config = _plugin(cli).config
+    assert (config.chunk_bytes, config.eager_copy_bytes) == (MiB, 4096)
+
+
+def test_a_bad_size_names_the_setting(tmp_path, capsys):
+    # jsonargparse reports the plugin's ConfigError inside its own ValueError (or exits, from a command line).
+    with pytest.raises((ConfigError, ValueError, SystemExit)) as raised:
+        _run_cli(tmp_path, "local.yaml", "--trainer.plugins.init_args.chunk_size=64 parsecs")
+    message = capsys.readouterr().err if raised.type is SystemExit else str(raised.value)
+    assert "chunk_size" in message and "8GiB" in message, message
+
+
+def test_lustre_config_on_a_local_directory(tmp_path):
+    directory = tmp_path / "lustre-standin"
+    cli = _run_cli(tmp_path, "lustre.yaml", f"--trainer.callbacks.init_args.dirpath={directory}")
+    plugin = _plugin(cli)
+    assert (plugin.config.writer_threads, plugin.config.chunk_bytes) == (16, 64 * MiB)
+    _assert_committed(plugin, ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"])
+    assert sorted(os.listdir(directory)) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
+
+
+def test_s3_config_against_a_local_s3_server(tmp_path, s3_endpoint):
+    env = fresh_bucket(s3_endpoint, "my-bucket")  # the bucket named in configs/s3.yaml
+    cli = _run_cli(tmp_path, "s3.yaml")
+    plugin = _plugin(cli)
+    assert plugin.config.storage_options == {
+        "part_size_bytes": "16MiB",
+        "max_concurrent_parts": 8,
+        "retries": 3,
+        "timeout_s": 120,
+    }
+    _assert_committed(plugin, ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"])
+    assert env.keys() == ["my-run/checkpoints/epoch=0-step=2.ckpt", "my-run/checkpoints/epoch=0-step=4.ckpt"]
+    loaded = plugin.load_checkpoint("s3://my-bucket/my-run/checkpoints/epoch=0-step=4.ckpt", weights_only=True)
+    assert loaded["global_step"] == 4
+    assert env.open_uploads() == []
