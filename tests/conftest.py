@@ -202,3 +202,40 @@ def in_background(plugin: DataStatesIO, lazy: bool = False) -> DataStatesIO:
     """``plugin`` driven as inside a training loop (see :class:`BackgroundOwner`)."""
     plugin._owner = BackgroundOwner(lazy)  # type: ignore[assignment]
     return plugin
+
+
+# ---------------------------------------------------------------------------------------------------------- features
+def file_mismatches(plugin: RecordingDataStatesIO) -> list[str]:
+    """Every recorded checkpoint compared with its file; one message per file that differs (or is missing)."""
+    failures = []
+    for path, expected in plugin.recorded.items():
+        if not os.path.exists(path):
+            failures.append(f"{os.path.basename(path)}: missing")
+            continue
+        loaded = torch.load(path, map_location="cpu", weights_only=False)
+        try:
+            assert_bit_equal(loaded, expected, os.path.basename(path))
+        except AssertionError as exc:
+            failures.append(str(exc))
+    return failures
+
+
+def quiet_trainer(tmp_dir: str, plugins: list[Any], callbacks: list[Any] | None = None, **kwargs: Any) -> L.Trainer:
+    """Like :func:`make_trainer`, with any list of plugins (a precision plugin next to the CheckpointIO)."""
+    options: dict[str, Any] = dict(
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=tmp_dir,
+        accelerator="cpu",
+        deterministic=True,
+    )
+    options.update(kwargs)
+    return L.Trainer(plugins=plugins, callbacks=callbacks, **options)
+
+
+def recording_plugin() -> RecordingDataStatesIO:
+    """A recording plugin with small chunks: many copies per checkpoint, still running at the next barrier."""
+    return RecordingDataStatesIO(chunk_size="64KiB", eager_copy_size="1KiB")
