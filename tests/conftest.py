@@ -205,10 +205,15 @@ def in_background(plugin: DataStatesIO, lazy: bool = False) -> DataStatesIO:
 
 
 # ---------------------------------------------------------------------------------------------------------- features
-def file_mismatches(plugin: RecordingDataStatesIO) -> list[str]:
-    """Every recorded checkpoint compared with its file; one message per file that differs (or is missing)."""
-    failures = []
+def file_mismatches(plugin: RecordingDataStatesIO, removed: Any = ()) -> list[str]:
+    """Every recorded checkpoint compared with its file; one message per file that differs (or is missing).
+
+    ``removed``: paths that were deliberately removed (top-k); they must be absent.
+    """
+    failures = [f"{os.path.basename(p)}: not removed" for p in removed if os.path.exists(p)]
     for path, expected in plugin.recorded.items():
+        if path in removed:
+            continue
         if not os.path.exists(path):
             failures.append(f"{os.path.basename(path)}: missing")
             continue
