@@ -6,6 +6,7 @@ import copy
 import os
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
@@ -175,11 +176,12 @@ class GatedWriter(LocalWriter):
 
 
 @pytest.fixture
-def gated_writer(monkeypatch: pytest.MonkeyPatch) -> GatedWriter:
+def gated_writer(monkeypatch: pytest.MonkeyPatch) -> Iterator[GatedWriter]:
     """Route the plugin's local writes through a :class:`GatedWriter` (faults at a precise point)."""
     writer = GatedWriter()
     monkeypatch.setattr("lightning_datastates.plugin.writer_for", lambda path, storage_options=None: writer)
-    return writer
+    yield writer
+    writer.gate.set()  # a test that failed with the gate closed must not hold the writer threads (and exit)
 
 
 class BackgroundOwner:

@@ -116,8 +116,8 @@ def test_gradient_accumulation_with_batchnorm(tmp_path, slow_copies):
     plugin, trainer = _fit(tmp_path, BNModel(), callbacks=[saver], accumulate_grad_batches=3, max_epochs=2)
     assert trainer.global_step == 6  # 8 batches / 3 per step, rounded up per epoch
     assert len(saver.saved) == 16
-    assert _copies_overlapped(plugin)
     _assert_contract(plugin, tmp_path)
+    assert _copies_overlapped(plugin)
 
 
 class SaveEveryBatch(Callback):
@@ -138,7 +138,7 @@ def test_ema_weight_averaging_with_mid_epoch_validation(tmp_path, slow_copies):
     val_checkpoint = ModelCheckpoint(
         dirpath=str(tmp_path / "val"), monitor="val_loss", save_top_k=-1, filename="{step}-{val_loss:.4f}"
     )
-    plugin, trainer = _fit(
+    plugin, _ = _fit(
         tmp_path,
         BNModel(),
         callbacks=[EMAWeightAveraging(decay=0.5), val_checkpoint],
@@ -148,8 +148,8 @@ def test_ema_weight_averaging_with_mid_epoch_validation(tmp_path, slow_copies):
     )
     assert any("current_model_state" in c for c in plugin.recorded.values())
     assert os.listdir(tmp_path / "val")  # checkpoints saved at validation end, right before the swap back
-    assert _copies_overlapped(plugin)
     _assert_contract(plugin, tmp_path)
+    assert _copies_overlapped(plugin)
 
 
 def test_stochastic_weight_averaging(tmp_path, slow_copies):
@@ -157,8 +157,8 @@ def test_stochastic_weight_averaging(tmp_path, slow_copies):
     swa = StochasticWeightAveraging(swa_lrs=5e-3, swa_epoch_start=1, annealing_epochs=1)
     plugin, trainer = _fit(tmp_path, SGDModel(), callbacks=[swa], max_epochs=3)
     assert trainer.current_epoch >= 3
-    assert _copies_overlapped(plugin)
     _assert_contract(plugin, tmp_path)
+    assert _copies_overlapped(plugin)
 
 
 def test_reduce_lr_on_plateau_with_tensor_learning_rate(tmp_path, slow_copies):
@@ -195,8 +195,8 @@ def test_lbfgs(tmp_path, slow_copies):
 def test_bf16_mixed_precision(tmp_path, slow_copies):
     plugin, trainer = _fit(tmp_path, BNModel(), precision="bf16-mixed", max_epochs=1)
     assert isinstance(trainer.precision_plugin, MixedPrecision) and trainer.precision_plugin.precision == "bf16-mixed"
-    assert _copies_overlapped(plugin)
     _assert_contract(plugin, tmp_path)
+    assert _copies_overlapped(plugin)
 
 
 def test_fp16_mixed_precision_with_grad_scaler_skipping_steps(tmp_path, slow_copies):
@@ -252,11 +252,10 @@ def test_fit_validate_fit_again(tmp_path, slow_copies):
 def test_two_trainers_in_one_process(tmp_path, slow_copies):
     """Two Trainers, each with its plugin, fitting one after the other and then alternately."""
     first, first_trainer = _fit(tmp_path / "a", BNModel(), max_epochs=1)
-    second, second_trainer = _fit(tmp_path / "b", SGDModel(), max_epochs=1)
+    second, _ = _fit(tmp_path / "b", SGDModel(), max_epochs=1)
     first_trainer.fit_loop.max_epochs = 2
     first_trainer.fit(first_trainer.lightning_module, make_loader())
     for plugin, root in ((first, tmp_path / "a"), (second, tmp_path / "b")):
         _assert_contract(plugin, root)
     assert all(path.startswith(str(tmp_path / "a")) for path in first.recorded)
     assert all(path.startswith(str(tmp_path / "b")) for path in second.recorded)
-

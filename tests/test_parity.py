@@ -45,7 +45,11 @@ def _checkpoint_callbacks(root: str) -> list[ModelCheckpoint]:
     return [
         # Top-k by a metric, plus last.ckpt written as a copy.
         ModelCheckpoint(
-            dirpath=os.path.join(root, "topk"), monitor="train_loss", save_top_k=2, every_n_train_steps=1, save_last=True
+            dirpath=os.path.join(root, "topk"),
+            monitor="train_loss",
+            save_top_k=2,
+            every_n_train_steps=1,
+            save_last=True,
         ),
         # A constant name (versions -v1, -v2 chosen through fs.exists) and last.ckpt as a symlink.
         ModelCheckpoint(

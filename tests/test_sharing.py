@@ -41,14 +41,16 @@ class HoldWritesDuringSaves(Callback):
         self.gate.set()
 
 
-def test_checkpoints_of_one_step_share_one_host_copy(tmp_path, gated_writer):
+def test_checkpoints_of_one_step_share_one_host_copy(tmp_path, slow_copies, gated_writer):
     torch.manual_seed(0)
     plugin = recording_plugin()
     directory = str(tmp_path / "ckpt")
     callbacks = [
         HoldWritesDuringSaves(gated_writer.gate),
         every_step_checkpoint(directory),  # epoch=..-step=...ckpt and last.ckpt
-        ModelCheckpoint(dirpath=directory, filename="best-{step}", monitor="train_loss", save_top_k=2, every_n_train_steps=1),
+        ModelCheckpoint(
+            dirpath=directory, filename="best-{step}", monitor="train_loss", save_top_k=2, every_n_train_steps=1
+        ),
     ]
     top_k = callbacks[-1]
     trainer = quiet_trainer(str(tmp_path), [plugin], callbacks=callbacks, max_epochs=1)

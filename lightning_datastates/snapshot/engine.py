@@ -255,6 +255,7 @@ class SnapshotEngine:
         job.lazy_chunks = plan_chunks((r for r in lazy_records if r.key not in followed), chunk_bytes)
         self._sharing.offer(job, storages)
         return job.lazy_chunks
+
     def _plan(self, checkpoint: dict[str, Any]) -> tuple[CheckpointLayout, list[torch.UntypedStorage]]:
         """The out-of-order layout; failing that, the checkpoint serialized by a plain ``torch.save`` now."""
         try:
@@ -362,8 +363,12 @@ class SnapshotEngine:
                 job = self._copy_queue.get_nowait()
             except queue.Empty:
                 return
-            if self._copy_eager(job):
+            if not self._copy_eager(job):
+                continue
+            if job.lazy_chunks:
                 self._eager_done.append(job)  # its lazy part follows the current job's
+            else:
+                self._finish_copy(job)  # nothing lazy: its save call (or a barrier) need not wait any longer
 
     def _finish_copy(self, job: SnapshotJob) -> None:
         """``job``'s sources are read no more: fail followers of chunks it never copied, let barriers through."""

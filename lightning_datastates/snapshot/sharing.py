@@ -101,7 +101,9 @@ class SharedCopies:
                     if entry is None:
                         entry = state.followers[id(job)] = (job, [])
                         job.add_outstanding()
-                    entry[1].append(FollowerWrite(piece.block_offset, piece.nbytes, record.offset + piece.source_offset))
+                    entry[1].append(
+                        FollowerWrite(piece.block_offset, piece.nbytes, record.offset + piece.source_offset)
+                    )
                 self.counters.shared_bytes += record.nbytes
                 followed.add(record.key)
         return followed
