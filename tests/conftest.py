@@ -62,19 +62,8 @@ def make_loader(n: int = 64, batch_size: int = 8, seed: int = 0) -> torch.utils.
 
 
 def make_trainer(tmp_dir: str, plugin: Any | None, callbacks: list[Any] | None = None, **kwargs: Any) -> L.Trainer:
-    """A quiet CPU Trainer checkpointing into ``tmp_dir``."""
-    options: dict[str, Any] = dict(
-        max_epochs=2,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        default_root_dir=tmp_dir,
-        accelerator="cpu",
-        deterministic=True,
-    )
-    options.update(kwargs)
-    return L.Trainer(plugins=[plugin] if plugin is not None else None, callbacks=callbacks, **options)
+    """A quiet CPU Trainer checkpointing into ``tmp_dir`` (two epochs unless told otherwise)."""
+    return quiet_trainer(tmp_dir, [plugin] if plugin is not None else [], callbacks, **{"max_epochs": 2, **kwargs})
 
 
 def every_step_checkpoint(dirpath: str, **kwargs: Any) -> ModelCheckpoint:
