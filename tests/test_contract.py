@@ -46,8 +46,7 @@ def test_every_file_equals_state_at_save(tmp_path, slow_copies, every_n_train_st
 def test_contract_check_fails_without_barrier(tmp_path, slow_copies, monkeypatch):
     """The same check against a broken plugin that skips the wait: it must catch torn snapshots.
 
-    Without ``save_last`` each file is the last save before the next optimizer step (with it, the step's first
-    file is fully copied while ``last.ckpt`` is captured, and only ``last.ckpt`` races the step).
+    Without ``save_last`` (one file a step) the check does not depend on how a step's files share their copy.
     """
     monkeypatch.setattr(SnapshotEngine, "wait_copies", lambda self, attribute=True: 0.0)
     plugin = _fit_recording(str(tmp_path), 1, save_last=False)
