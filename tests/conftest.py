@@ -6,6 +6,7 @@ import copy
 import os
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
@@ -61,19 +62,8 @@ def make_loader(n: int = 64, batch_size: int = 8, seed: int = 0) -> torch.utils.
 
 
 def make_trainer(tmp_dir: str, plugin: Any | None, callbacks: list[Any] | None = None, **kwargs: Any) -> L.Trainer:
-    """A quiet CPU Trainer checkpointing into ``tmp_dir``."""
-    options: dict[str, Any] = dict(
-        max_epochs=2,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        default_root_dir=tmp_dir,
-        accelerator="cpu",
-        deterministic=True,
-    )
-    options.update(kwargs)
-    return L.Trainer(plugins=[plugin] if plugin is not None else None, callbacks=callbacks, **options)
+    """A quiet CPU Trainer checkpointing into ``tmp_dir`` (two epochs unless told otherwise)."""
+    return quiet_trainer(tmp_dir, [plugin] if plugin is not None else [], callbacks, **{"max_epochs": 2, **kwargs})
 
 
 def every_step_checkpoint(dirpath: str, **kwargs: Any) -> ModelCheckpoint:
@@ -175,11 +165,12 @@ class GatedWriter(LocalWriter):
 
 
 @pytest.fixture
-def gated_writer(monkeypatch: pytest.MonkeyPatch) -> GatedWriter:
+def gated_writer(monkeypatch: pytest.MonkeyPatch) -> Iterator[GatedWriter]:
     """Route the plugin's local writes through a :class:`GatedWriter` (faults at a precise point)."""
     writer = GatedWriter()
     monkeypatch.setattr("lightning_datastates.plugin.writer_for", lambda path, storage_options=None: writer)
-    return writer
+    yield writer
+    writer.gate.set()  # a test that failed with the gate closed must not hold the writer threads (and exit)
 
 
 class BackgroundOwner:
@@ -202,3 +193,45 @@ def in_background(plugin: DataStatesIO, lazy: bool = False) -> DataStatesIO:
     """``plugin`` driven as inside a training loop (see :class:`BackgroundOwner`)."""
     plugin._owner = BackgroundOwner(lazy)  # type: ignore[assignment]
     return plugin
+
+
+# ---------------------------------------------------------------------------------------------------------- features
+def file_mismatches(plugin: RecordingDataStatesIO, removed: Any = ()) -> list[str]:
+    """Every recorded checkpoint compared with its file; one message per file that differs (or is missing).
+
+    ``removed``: paths that were deliberately removed (top-k); they must be absent.
+    """
+    failures = [f"{os.path.basename(p)}: not removed" for p in removed if os.path.exists(p)]
+    for path, expected in plugin.recorded.items():
+        if path in removed:
+            continue
+        if not os.path.exists(path):
+            failures.append(f"{os.path.basename(path)}: missing")
+            continue
+        loaded = torch.load(path, map_location="cpu", weights_only=False)
+        try:
+            assert_bit_equal(loaded, expected, os.path.basename(path))
+        except AssertionError as exc:
+            failures.append(str(exc))
+    return failures
+
+
+def quiet_trainer(tmp_dir: str, plugins: list[Any], callbacks: list[Any] | None = None, **kwargs: Any) -> L.Trainer:
+    """Like :func:`make_trainer`, with any list of plugins (a precision plugin next to the CheckpointIO)."""
+    options: dict[str, Any] = dict(
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=tmp_dir,
+        accelerator="cpu",
+        deterministic=True,
+    )
+    options.update(kwargs)
+    return L.Trainer(plugins=plugins, callbacks=callbacks, **options)
+
+
+def recording_plugin() -> RecordingDataStatesIO:
+    """A recording plugin with small chunks: many copies per checkpoint, still running at the next barrier."""
+    return RecordingDataStatesIO(chunk_size="64KiB", eager_copy_size="1KiB")

@@ -27,11 +27,12 @@ import torch
 
 from lightning_datastates.config import DataStatesConfig
 from lightning_datastates.errors import CheckpointCaptureError
-from lightning_datastates.layout import CheckpointLayout, plan_layout
+from lightning_datastates.layout import CheckpointLayout, StorageRecord, plan_layout
 from lightning_datastates.snapshot.arena import HostArena
 from lightning_datastates.snapshot.chunks import Chunk, plan_chunks
 from lightning_datastates.snapshot.copier import CopierSet
 from lightning_datastates.snapshot.job import JobState, SnapshotJob, SnapshotStats
+from lightning_datastates.snapshot.sharing import SharedCopies, SharingCounters
 from lightning_datastates.storage.base import StorageWriter
 
 log = logging.getLogger("lightning_datastates")
@@ -73,6 +74,8 @@ class SnapshotEngine:
         self._closing = False
         self._warned_fallback = False
         self._skipped_since_last_capture = False  # removals right after a skipped save keep their file
+        self._sharing = SharedCopies()  # lazy copies open to later checkpoints of the same state
+        self._eager_done: deque[SnapshotJob] = deque()  # copier thread: eager part copied, lazy part waiting
 
     # ------------------------------------------------------------------ training thread
     def capture(
@@ -90,9 +93,6 @@ class SnapshotEngine:
         """
         started_at = time.perf_counter()
         layout, storages = self._plan(checkpoint)
-        # One snapshot copies at a time (the arena is not split between them). The wait is part of this save
-        # call's time, so it is not also counted as a barrier wait of the earlier snapshot.
-        self.wait_copies(attribute=False)
         arena = self._ensure_arena(layout.payload_bytes)
         skip_reason = self._admit(layout, arena, may_skip=lazy is not None)
         if skip_reason is not None:
@@ -112,7 +112,7 @@ class SnapshotEngine:
                 session=session,
                 sources=storages,
                 eager_chunks=plan_chunks((r for r in layout.records if r.key in eager_keys), chunk_bytes),
-                lazy_chunks=plan_chunks((r for r in layout.records if r.key not in eager_keys), chunk_bytes),
+                lazy_chunks=[],  # planned below, with the sharing of earlier copies
                 marks=self._copiers.marks(devices),
                 stats=SnapshotStats(path, layout.total_bytes, layout.payload_bytes, started_at),
                 outstanding=2,  # the copy, and the metadata write
@@ -138,6 +138,9 @@ class SnapshotEngine:
                 predecessor.successor = job
                 job.outstanding += 1
             self._latest_by_path[path] = job
+            if lazy is not None:
+                lazy_records = [r for r in layout.records if r.key not in eager_keys]
+                job.lazy_chunks = self._plan_shared_lazy_copy(job, lazy_records, storages, chunk_bytes)
             self._active.append(job)
             self.history.append(job.stats)
             self._copy_queue.put(job)  # the copier queues the metadata write: one hand-over, nothing half-queued
@@ -149,6 +152,7 @@ class SnapshotEngine:
 
         With ``attribute`` the wait is added to the newest waited-for snapshot's ``barrier_wait_s``.
         """
+        self._sharing.close_window()  # the caller mutates state next: later captures may not share earlier copies
         with self._lock:
             waiting = [job for job in self._active if not job.copied.is_set()]
         if not waiting:
@@ -261,7 +265,26 @@ class SnapshotEngine:
         with self._lock:
             self._closing = False
 
+    @property
+    def sharing_counters(self) -> SharingCounters:
+        """Bytes copied into the arena so far, and bytes written from another checkpoint's copy instead."""
+        return self._sharing.counters
+
     # ------------------------------------------------------------------ capture helpers
+    def _plan_shared_lazy_copy(
+        self,
+        job: SnapshotJob,
+        lazy_records: list[StorageRecord],
+        storages: list[torch.UntypedStorage],
+        chunk_bytes: int,
+    ) -> list[Chunk]:
+        """``job``'s lazy chunks: storages an earlier checkpoint of this barrier interval copies are followed
+        instead (one host copy serves both files); the rest are planned, and offered to later checkpoints."""
+        followed = self._sharing.follow(job, lazy_records, storages)
+        job.lazy_chunks = plan_chunks((r for r in lazy_records if r.key not in followed), chunk_bytes)
+        self._sharing.offer(job, storages)
+        return job.lazy_chunks
+
     def _plan(self, checkpoint: dict[str, Any]) -> tuple[CheckpointLayout, list[torch.UntypedStorage]]:
         """The out-of-order layout; failing that, the checkpoint serialized by a plain ``torch.save`` now."""
         try:
@@ -364,32 +387,69 @@ class SnapshotEngine:
     def _copy_loop(self) -> None:
         idle_since = time.monotonic()
         while True:
-            try:
-                job = self._copy_queue.get(timeout=_POLL_S)
-            except queue.Empty:
-                if self._retire_if_idle(self._copy_queue, idle_since):
-                    return
-                continue
+            if self._eager_done:
+                job = self._eager_done.popleft()
+            else:
+                try:
+                    job = self._copy_queue.get(timeout=_POLL_S)
+                except queue.Empty:
+                    if self._retire_if_idle(self._copy_queue, idle_since):
+                        return
+                    continue
             self._copy_job(job)
             idle_since = time.monotonic()
 
     def _copy_job(self, job: SnapshotJob) -> None:
-        self._write_queue.put(("metadata", job))
+        if not job.eager_copied.is_set() and not self._copy_eager(job):
+            return
         try:
-            for chunk in job.eager_chunks:
-                self._copy_chunk(job, chunk)
-            job.eager_copied.set()
             for chunk in job.lazy_chunks:
+                self._copy_newer_eager()
                 self._copy_chunk(job, chunk)
         except BaseException as exc:  # noqa: BLE001 - reported on the training thread, never lost
             job.fail(exc)
         finally:
-            job.mark_copied()
-            job.release()  # the copy's share of the outstanding work
+            self._finish_copy(job)
+
+    def _copy_eager(self, job: SnapshotJob) -> bool:
+        """Queue ``job``'s metadata write and copy its eager chunks; False (and the copy finished) on failure."""
+        self._write_queue.put(("metadata", job))
+        try:
+            for chunk in job.eager_chunks:
+                self._copy_chunk(job, chunk)
+        except BaseException as exc:  # noqa: BLE001 - reported on the training thread, never lost
+            job.fail(exc)
+            self._finish_copy(job)
+            return False
+        job.eager_copied.set()
+        return True
+
+    def _copy_newer_eager(self) -> None:
+        """Between lazy chunks, copy the eager part of newly captured jobs: their save calls wait for it."""
+        while True:
+            try:
+                job = self._copy_queue.get_nowait()
+            except queue.Empty:
+                return
+            if not self._copy_eager(job):
+                continue
+            if job.lazy_chunks:
+                self._eager_done.append(job)  # its lazy part follows the current job's
+            else:
+                self._finish_copy(job)  # nothing lazy: its save call (or a barrier) need not wait any longer
+
+    def _finish_copy(self, job: SnapshotJob) -> None:
+        """``job``'s sources are read no more: fail followers of chunks it never copied, let barriers through."""
+        error = job.error or RuntimeError(f"the copy of {job.path} ended early")
+        for follower, cause in self._sharing.abandon(job, error):
+            follower.fail(cause)
+            follower.release()
+        job.mark_copied()
+        job.release()  # the copy's share of the outstanding work
 
     def _copy_chunk(self, job: SnapshotJob, chunk: Chunk) -> None:
-        if job.stopped:
-            return  # failed or superseded: the bytes would never be committed
+        if not self._sharing.must_copy(job, chunk):
+            return  # failed or superseded, and no other checkpoint follows it: the bytes would never be committed
         assert self.arena is not None and job.sources is not None
         block = self.arena.allocate(chunk.block_bytes)  # back-pressure: waits for writers to free space
         try:
@@ -402,7 +462,9 @@ class SnapshotEngine:
         except BaseException:
             self.arena.free(block)
             raise
+        self._sharing.count_copied(sum(piece.nbytes for piece in chunk.pieces))
         job.add_outstanding()
+        self._sharing.mark_queued(chunk)  # from here on a writer serves the chunk's followers
         self._write_queue.put(("chunk", job, chunk, block))
 
     # ------------------------------------------------------------------ writer threads
@@ -433,6 +495,7 @@ class SnapshotEngine:
             finally:
                 if kind == "chunk":
                     assert self.arena is not None
+                    self._write_followers(task[2], task[3])
                     self.arena.free(task[3])
                 job.release()
 
@@ -442,6 +505,22 @@ class SnapshotEngine:
         for piece in chunk.pieces:
             job.session.write_range(piece.file_offset, view[piece.block_offset : piece.block_offset + piece.nbytes])
             job.add_written(piece.nbytes)
+
+    def _write_followers(self, chunk: Chunk, block: Any) -> None:
+        """Write ``chunk``'s block into every checkpoint that shares it, at that checkpoint's own offsets."""
+        assert self.arena is not None
+        view = self.arena.memoryview(block)
+        for follower, writes in self._sharing.take_followers(chunk):
+            try:
+                if not follower.stopped:
+                    for write in writes:
+                        data = view[write.block_offset : write.block_offset + write.nbytes]
+                        follower.session.write_range(write.file_offset, data)
+                        follower.add_written(write.nbytes)
+            except BaseException as exc:  # noqa: BLE001 - reported on the training thread, never lost
+                follower.fail(exc)
+            finally:
+                follower.release()
 
     def _schedule_commit(self, job: SnapshotJob) -> None:
         self._write_queue.put(("commit", job))

@@ -1,0 +1,51 @@
+"""Deliberately broken variants of the plugin, to show that the contract tests can fail.
+
+Not collected as tests. Load it as a pytest plugin and pick a variant through ``LDS_BROKEN``:
+
+    LDS_BROKEN=barrier PYTHONPATH=$PWD python -m pytest -p tests.broken_variants tests/test_features.py
+
+- ``barrier``: barriers return at once (training mutates state while copies still read it);
+- ``always-lazy``: parameters and optimizer state are copied lazily under manual optimization too;
+- ``drain``: nothing waits for pending writes (end of fit, exceptions, saves outside the loop, teardown);
+- ``no-sharing``: checkpoints of the same step never share a host copy.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from lightning_datastates.callback import DataStatesCallback
+from lightning_datastates.plugin import DataStatesIO
+from lightning_datastates.snapshot.engine import SnapshotEngine
+from lightning_datastates.snapshot.sharing import SharedCopies
+
+
+@pytest.fixture(autouse=True)
+def _broken_variant(monkeypatch: pytest.MonkeyPatch) -> None:
+    variant = os.environ.get("LDS_BROKEN", "")
+    if variant == "barrier":
+        monkeypatch.setattr(SnapshotEngine, "wait_copies", lambda self, attribute=True: 0.0)
+    elif variant == "always-lazy":
+        original = DataStatesCallback.lazy_predicate
+
+        def lazy_predicate(self):
+            module = self._trainer.lightning_module if self._trainer is not None else None
+            if module is None or module.automatic_optimization:
+                return original(self)
+            module.automatic_optimization = True  # pretend: the guard for manual optimization is gone
+            try:
+                return original(self)
+            finally:
+                module.automatic_optimization = False
+
+        monkeypatch.setattr(DataStatesCallback, "lazy_predicate", lazy_predicate)
+    elif variant == "drain":
+        monkeypatch.setattr(SnapshotEngine, "drain", lambda self: None)
+        monkeypatch.setattr(SnapshotEngine, "wait_path", lambda self, path: None)
+        monkeypatch.setattr(DataStatesIO, "teardown", lambda self: None)
+    elif variant == "no-sharing":
+        monkeypatch.setattr(SharedCopies, "follow", lambda self, job, records, storages: set())
+    elif variant:
+        raise ValueError(f"unknown LDS_BROKEN variant {variant!r}")
