@@ -70,6 +70,7 @@ class DataStatesConfig:
     chunk_bytes: int
     eager_copy_bytes: int
     storage_options: dict[str, Any] | None = None
+    verify_checksums: bool = True
 
     @classmethod
     def from_user(
@@ -79,6 +80,7 @@ class DataStatesConfig:
         chunk_size: Size,
         eager_copy_size: Size,
         storage_options: dict[str, Any] | None = None,
+        verify_checksums: bool = True,
     ) -> DataStatesConfig:
         """Validate user-facing arguments (as given to the constructor or in yaml)."""
         host_cache_bytes = None if host_cache is None else parse_size(host_cache, "host_cache")
@@ -90,7 +92,9 @@ class DataStatesConfig:
         eager_copy_bytes = parse_size(eager_copy_size, "eager_copy_size")
         if storage_options is not None and not isinstance(storage_options, dict):
             raise ConfigError(f"storage_options must be a dict of fsspec options, got {type(storage_options).__name__}")
-        return cls(host_cache_bytes, writer_threads, chunk_bytes, eager_copy_bytes, storage_options)
+        if not isinstance(verify_checksums, bool):
+            raise ConfigError(f"verify_checksums must be True or False, got {verify_checksums!r}")
+        return cls(host_cache_bytes, writer_threads, chunk_bytes, eager_copy_bytes, storage_options, verify_checksums)
 
     def arena_bytes_for(self, payload_bytes: int) -> int:
         """Arena size: the user's ``host_cache``, or one checkpoint's payload capped at half the free memory."""

@@ -53,6 +53,9 @@ class DataStatesIO(CheckpointIO):
             e.g. ``{"key": ..., "secret": ..., "endpoint_url": ...}``; used for saving, loading and removing.
             For ``s3://`` it also takes the multipart writer's ``part_size_bytes`` (default 16 MiB),
             ``max_concurrent_parts`` (8), ``retries`` (3) and ``timeout_s`` (120).
+        verify_checksums: check every record of a checkpoint against its CRC-32 before loading it (default True);
+            a damaged file raises :class:`~lightning_datastates.errors.CheckpointCorruptError` naming the file and
+            the record. Checksums are always written; False only skips the check on load.
     """
 
     def __init__(
@@ -62,10 +65,11 @@ class DataStatesIO(CheckpointIO):
         chunk_size: Size = "64MiB",
         eager_copy_size: Size = "64KiB",
         storage_options: dict[str, Any] | None = None,
+        verify_checksums: bool = True,
     ) -> None:
         super().__init__()
         self.config = DataStatesConfig.from_user(
-            host_cache, writer_threads, chunk_size, eager_copy_size, storage_options
+            host_cache, writer_threads, chunk_size, eager_copy_size, storage_options, verify_checksums
         )
         self._engine: SnapshotEngine | None = None
         self._owner: DataStatesCallback | None = None
@@ -112,13 +116,20 @@ class DataStatesIO(CheckpointIO):
 
         Raises:
             CheckpointFlushError: the pending write of ``path`` failed.
+            CheckpointCorruptError: ``path`` fails its integrity check (with ``verify_checksums``).
             FileNotFoundError: no checkpoint at ``path``.
         """
         path = _path_str(path)
         if self._engine is not None:
             self._engine.wait_path(path)
             self.raise_pending_failure(path)
-        return load_checkpoint(self._writer(path), path, map_location=map_location, weights_only=weights_only)
+        return load_checkpoint(
+            self._writer(path),
+            path,
+            map_location=map_location,
+            weights_only=weights_only,
+            verify_checksums=self.config.verify_checksums,
+        )
 
     def remove_checkpoint(self, path: _PATH) -> None:
         """Drop a pending write of ``path`` (or let a commit in progress end), then delete the file.

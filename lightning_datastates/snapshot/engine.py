@@ -24,9 +24,10 @@ from typing import Any, Callable
 
 import torch
 
+from lightning_datastates.checksums import checksummed
 from lightning_datastates.config import DataStatesConfig
 from lightning_datastates.errors import CheckpointCaptureError
-from lightning_datastates.layout import CheckpointLayout, plan_layout
+from lightning_datastates.layout import CheckpointLayout, plan_layout, plan_serialized_layout
 from lightning_datastates.snapshot.arena import HostArena
 from lightning_datastates.snapshot.chunks import Chunk, plan_chunks
 from lightning_datastates.snapshot.copier import CopierSet
@@ -96,7 +97,8 @@ class SnapshotEngine:
             if lazy is None or r.nbytes <= self.config.eager_copy_bytes or not lazy(storages[r.key])
         }
         devices = {s.device for s in storages if s.nbytes() > 0}
-        session = writer.begin(path, layout.total_bytes)
+        # Writer threads checksum what they write and fill each record's CRC-32 (checksums.py).
+        session = checksummed(writer.begin(path, layout.total_bytes), layout.checksums)
         try:
             job = SnapshotJob(
                 path=path,
@@ -254,8 +256,7 @@ class SnapshotEngine:
                     reason,
                 )
                 self._warned_fallback = True
-            data = buffer.getvalue()
-            return CheckpointLayout(metadata=((0, data),), records=(), total_bytes=len(data)), []
+            return plan_serialized_layout(buffer.getvalue()), []
 
     def _ensure_arena(self, payload_bytes: int) -> HostArena:
         if self.arena is None:
