@@ -140,7 +140,10 @@ class ChecksummingSession(WriteSession):
                     finished.append(index)
                     self._unfinished -= 1
         for index in finished:
-            crc = struct.pack("<I", combine_pieces(self._pieces[index]))
+            try:
+                crc = struct.pack("<I", combine_pieces(self._pieces[index]))
+            except ValueError as exc:
+                raise RuntimeError(f"{self.path}: record {self._slots[index].name} was written with overlaps") from exc
             self._pieces[index] = []
             for field in self._slots[index].crc_fields:
                 self.inner.write_range(field, memoryview(crc))
