@@ -132,11 +132,12 @@ def _central_entry(
     uncompressed, compressed, local_offset = _apply_zip64(extra, uncompressed, compressed, local_offset, name)
     if method != _STORED or compressed != uncompressed:
         raise ArchiveFormatError(f"record {name!r} is compressed; torch checkpoints store records uncompressed")
-    header = _read_exact(read_at, local_offset, _LOCAL.size, f"the local header of record {name!r}")
-    local = _LOCAL.unpack(header)
+    # One read for the fixed header and the name, assuming the local name is as long as the central one (checked).
+    header = _read_exact(read_at, local_offset, _LOCAL.size + name_len, "the local header of record", name)
+    local = _LOCAL.unpack_from(header)
     if local[0] != _LOCAL_SIGNATURE:
         raise ArchiveFormatError(f"no local header for record {name!r} at byte {local_offset}")
-    local_name = _read_exact(read_at, local_offset + _LOCAL.size, local[9], f"the local header of record {name!r}")
+    local_name = header[_LOCAL.size :] if local[9] == name_len else header[_LOCAL.size : _LOCAL.size + local[9]]
     if local_name != raw_name:
         raise ArchiveFormatError(f"record {name!r}: its local header names it {local_name!r}")
     data_offset = local_offset + _LOCAL.size + local[9] + local[10]
@@ -146,7 +147,7 @@ def _central_entry(
     descriptor_crc32 = None
     if flags & _FLAG_DATA_DESCRIPTOR:
         descriptor = data_offset + compressed
-        head = _read_exact(read_at, descriptor, 8, f"the data descriptor of record {name!r}")
+        head = _read_exact(read_at, descriptor, 8, "the data descriptor of record", name)
         if struct.unpack_from("<I", head)[0] == _DESCRIPTOR_SIGNATURE:
             descriptor += 4
             head = head[4:]
@@ -180,8 +181,9 @@ def _apply_zip64(extra: bytes, uncompressed: int, compressed: int, offset: int, 
     raise ArchiveFormatError(f"record {name!r}: its zip64 sizes or offset are missing")
 
 
-def _read_exact(read_at: ReadAt, offset: int, nbytes: int, what: str) -> bytes:
+def _read_exact(read_at: ReadAt, offset: int, nbytes: int, what: str, name: str | None = None) -> bytes:
     data = read_at(offset, nbytes)
     if len(data) != nbytes:
+        what = what if name is None else f"{what} {name!r}"  # formatted only on failure: this runs per record
         raise ArchiveFormatError(f"{what} ({nbytes} bytes at {offset}) is cut off by the end of the file")
-    return bytes(data)
+    return data if isinstance(data, bytes) else bytes(data)

@@ -253,6 +253,12 @@ class _SparseReader(PositionedReader):
 
     def read_at(self, offset: int, nbytes: int) -> bytes:
         """Up to ``nbytes`` bytes from ``offset`` (the position moves there)."""
+        index = bisect.bisect_right(self._starts, offset) - 1
+        if index >= 0:  # fast path: inside one segment (headers and the central directory always are)
+            start, data = self._segments[index]
+            if offset + nbytes <= start + len(data):
+                self._position = offset + nbytes
+                return data[offset - start : offset - start + nbytes]
         self.seek(offset)
         buffer = bytearray(max(0, nbytes))
         return bytes(buffer[: self.readinto(buffer)])
