@@ -140,10 +140,13 @@ def test_commit_is_refused_when_a_record_was_not_written_whole() -> None:
 
 # ---------------------------------------------------------------------------------------------------- written files
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
-def test_plugin_files_carry_crcs_that_zip_tools_accept(tmp_path, lazy: bool) -> None:
+@pytest.mark.parametrize("chunk_size", ["8KiB", "64MiB"], ids=["pieces", "whole"])
+def test_plugin_files_carry_crcs_that_zip_tools_accept(tmp_path, lazy: bool, chunk_size: str) -> None:
+    # 8 KiB chunks: records split into pieces written out of order by 4 threads. 64 MiB: a 3 MiB record in one
+    # write, checksummed window by window.
     path = str(tmp_path / "a.ckpt")
-    checkpoint = _checkpoint()
-    _save(path, checkpoint, lazy=lazy)
+    checkpoint = {**_checkpoint(), "big": torch.randn(3 * 1024**2 // 4)}
+    _save(path, checkpoint, lazy=lazy, chunk_size=chunk_size, host_cache="16MiB")
     data = open(path, "rb").read()
     for record in _records(data):
         assert record.crc32 == zlib.crc32(data[record.data_offset : record.end]), record.name
