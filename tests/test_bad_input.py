@@ -21,7 +21,15 @@ import torch
 from torch import nn
 
 from lightning_datastates import CheckpointCaptureError, DataStatesIO
-from tests.conftest import BNModel, every_step_checkpoint, in_background, make_loader, make_trainer, temp_files
+from tests.conftest import (  # noqa: F401 - slow_copies is a fixture
+    BNModel,
+    every_step_checkpoint,
+    in_background,
+    make_loader,
+    make_trainer,
+    slow_copies,
+    temp_files,
+)
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor"),
@@ -50,6 +58,15 @@ class Holder:
 
     weight: torch.Tensor
     extra: list[Any]
+
+
+@pytest.fixture(autouse=True)
+def _slow_lazy_copies(request: pytest.FixtureRequest) -> None:
+    """On the lazy path, make copies outlast the save call (as a large model's do), so the file holds the save-time
+    state only if the barrier really waits for them."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and callspec.params.get("lazy"):
+        request.getfixturevalue("slow_copies")
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
