@@ -13,15 +13,17 @@ integrity check on load, and the ``inspect`` command. Damage to any structure it
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 #: ``read_at(offset, nbytes)`` returns ``nbytes`` bytes (any bytes-like) of the file from ``offset``, fewer at its end.
-ReadAt = Callable[[int, int], bytes]
+ReadAt = Callable[[int, int], bytes | bytearray | memoryview]
 
 _EOCD = struct.Struct("<IHHHHIIH")  # signature, disk, cd disk, entries on disk, entries, cd size, cd offset, comment
 _ZIP64_LOCATOR = struct.Struct("<IIQI")  # signature, disk, zip64 EOCD offset, disks
-_ZIP64_EOCD = struct.Struct("<IQHHIIQQQQ")  # signature, size, made by, needed, disk, cd disk, entries x2, cd size, offset
+_ZIP64_EOCD = struct.Struct(
+    "<IQHHIIQQQQ"
+)  # signature, size, made by, needed, disk, cd disk, entries x2, cd size, offset
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
 _LOCAL = struct.Struct("<IHHHHHIIIHH")
 _EOCD_SIGNATURE = 0x06054B50
@@ -121,7 +123,13 @@ def _central_entry(
         raise ArchiveFormatError(f"central directory entry at byte {cd_offset + position} is truncated")
     fields = _CENTRAL.unpack_from(central, position)
     signature, flags, method, crc32 = fields[0], fields[3], fields[4], fields[7]
-    compressed, uncompressed, name_len, extra_len, comment_len = fields[8], fields[9], fields[10], fields[11], fields[12]
+    compressed, uncompressed, name_len, extra_len, comment_len = (
+        fields[8],
+        fields[9],
+        fields[10],
+        fields[11],
+        fields[12],
+    )
     local_offset = fields[16]
     if signature != _CENTRAL_SIGNATURE:
         raise ArchiveFormatError(f"no central directory entry at byte {cd_offset + position}")

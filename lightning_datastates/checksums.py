@@ -141,12 +141,12 @@ class ChecksummingSession(WriteSession):
                     self._unfinished -= 1
         for index in finished:
             try:
-                crc = struct.pack("<I", combine_pieces(self._pieces[index]))
+                field_bytes = struct.pack("<I", combine_pieces(self._pieces[index]))
             except ValueError as exc:
                 raise RuntimeError(f"{self.path}: record {self._slots[index].name} was written with overlaps") from exc
             self._pieces[index] = []
             for field in self._slots[index].crc_fields:
-                self.inner.write_range(field, memoryview(crc))
+                self.inner.write_range(field, memoryview(field_bytes))
 
     def complete(self) -> None:
         """Commit, once every record was written whole (and so carries its CRC-32).

@@ -16,7 +16,8 @@ import argparse
 import json
 import sys
 from collections import Counter
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -34,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except json.JSONDecodeError as exc:
         parser.error(f"--storage-options is not JSON: {exc}")
     if options is not None and not isinstance(options, dict):
-        parser.error("--storage-options must be a JSON object, e.g. '{\"endpoint_url\": \"http://...\"}'")
+        parser.error('--storage-options must be a JSON object, e.g. \'{"endpoint_url": "http://..."}\'')
     return int(args.run(args, options))
 
 
@@ -98,7 +99,9 @@ def _inspect(args: argparse.Namespace, options: dict[str, Any] | None) -> int:
             return 1
         checkpoint = _load_metadata(writer, path, weights_only=not args.unsafe)
     except Exception as exc:  # noqa: BLE001 - any failure to read is reported, with its cause
-        hint = "" if args.unsafe else " (if the file holds objects weights_only=True refuses and you trust it: --unsafe)"
+        hint = (
+            "" if args.unsafe else " (if the file holds objects weights_only=True refuses and you trust it: --unsafe)"
+        )
         print(f"ERROR {path}: cannot read it: {exc}{hint}", file=sys.stderr)
         return 1
     summary = summarize(checkpoint)

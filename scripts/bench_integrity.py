@@ -82,7 +82,9 @@ def main() -> None:
     crc = statistics.median(flush["with CRC-32"])
     print(f"flush time with CRC-32 / bare: {crc / statistics.median(flush['bare']):.2f}x")
     print(f"flush time with CRC-32 / windows, no CRC: {crc / statistics.median(flush['windows, no CRC']):.2f}x")
-    print(f"load cost of verification: {statistics.median(load['verified']) / statistics.median(load['unverified']):.2f}x time")
+    print(
+        f"load cost of verification: {statistics.median(load['verified']) / statistics.median(load['unverified']):.2f}x time"
+    )
 
 
 if __name__ == "__main__":

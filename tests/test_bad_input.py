@@ -118,7 +118,7 @@ def _assert_same(actual: Any, expected: Any, where: str = "checkpoint") -> None:
         if all(not isinstance(item, torch.Tensor) for item in expected):
             assert actual == expected, where
         else:  # tensors hash by identity: compare sorted by content
-            key = lambda t: bytes(_bits(t).numpy())  # noqa: E731
+            key = lambda t: bytes(_bits(t).numpy())
             for a, e in zip(sorted(actual, key=key), sorted(expected, key=key)):
                 _assert_same(a, e, f"{where}{{}}")
     elif isinstance(expected, dict):
@@ -159,7 +159,7 @@ def _overwrite_sources(checkpoint: Any) -> None:
 def _roundtrip(tmp_path: Any, checkpoint: Any, lazy: bool, weights_only: bool = True, **settings: Any) -> Any:
     """Save through the plugin, check plain ``torch.load`` and the plugin's load both return the save-time state."""
     expected = copy.deepcopy(checkpoint)
-    options: dict[str, Any] = dict(host_cache="4MiB", chunk_size="64KiB", eager_copy_size="256")
+    options: dict[str, Any] = {"host_cache": "4MiB", "chunk_size": "64KiB", "eager_copy_size": "256"}
     options.update(settings)
     plugin = DataStatesIO(**options)
     path = str(tmp_path / ("lazy.ckpt" if lazy else "eager.ckpt"))
@@ -346,6 +346,5 @@ def test_ten_thousand_small_tensors(tmp_path) -> None:
 @PATHS
 def test_a_tensor_larger_than_the_arena_streams_through_it(tmp_path, lazy: bool) -> None:
     big = torch.randn(6 * 1024**2 // 4)  # 6 MiB through a 1 MiB arena
-    plugin_settings = dict(host_cache="1MiB", chunk_size="256KiB")
-    loaded = _roundtrip(tmp_path, {"big": big, "small": torch.arange(3)}, lazy, **plugin_settings)
+    loaded = _roundtrip(tmp_path, {"big": big, "small": torch.arange(3)}, lazy, host_cache="1MiB", chunk_size="256KiB")
     assert loaded["big"].nbytes == 6 * 1024**2

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from lightning_datastates.archive import read_archive_index
 from lightning_datastates.cli import main, summarize
 from tests.conftest import BNModel, every_step_checkpoint, make_loader, make_trainer, temp_files
 from tests.s3_server import require_s3, s3_endpoint_fixture, s3_fixture  # noqa: F401 - fixtures
+from tests.test_integrity import torch_crc_off
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 120
@@ -30,11 +32,12 @@ def _cli(*args: str, code: str | None = None) -> subprocess.CompletedProcess[str
     """Run the command line in a fresh interpreter with this checkout first on the path."""
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     argv = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "lightning_datastates", *args]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT, env=env)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT, env=env, check=False)
 
 
 def _flip_largest_record(path: str) -> str:
-    data = bytearray(open(path, "rb").read())
+    with open(path, "rb") as handle:
+        data = bytearray(handle.read())
     record = max(read_archive_index(lambda o, n: data[o : o + n], len(data)), key=lambda r: r.nbytes)
     data[record.data_offset + record.nbytes // 3] ^= 0x04
     with open(path, "wb") as handle:
@@ -59,15 +62,11 @@ def test_verify_passes_whole_files_and_fails_damaged_missing_and_unchecksummed_o
 ) -> None:
     good = lightning_checkpoint
     damaged = str(tmp_path / "damaged.ckpt")
-    open(damaged, "wb").write(open(good, "rb").read())
+    shutil.copyfile(good, damaged)
     record = _flip_largest_record(damaged)
     unchecked = str(tmp_path / "nocrc.ckpt")
-    previous = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
-    try:
+    with torch_crc_off():
         torch.save({"w": torch.randn(4)}, unchecked)
-    finally:
-        torch.serialization.set_crc32_options(previous)
 
     assert main(["verify", good]) == 0  # in-process: each interpreter start costs seconds
     assert capsys.readouterr().out.startswith(f"OK {good}: ")
@@ -118,7 +117,7 @@ def test_inspect_lists_every_tensor_without_loading_them(lightning_checkpoint, t
     assert set(summary["keys"]) >= {"epoch", "global_step", "state_dict", "optimizer_states"}
     # Tensor data is not read: a file whose payload is damaged is still listed (verify is what checks it).
     damaged = str(tmp_path / "damaged.ckpt")
-    open(damaged, "wb").write(open(lightning_checkpoint, "rb").read())
+    shutil.copyfile(lightning_checkpoint, damaged)
     _flip_largest_record(damaged)
     assert main(["inspect", damaged]) == 0
     text = capsys.readouterr().out

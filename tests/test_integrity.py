@@ -7,6 +7,7 @@ Files are written by the plugin through the real engine and storage writers (loc
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
@@ -16,6 +17,7 @@ import subprocess
 import threading
 import zipfile
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -46,7 +48,12 @@ def _checkpoint(seed: int = 0) -> dict[str, Any]:
 
 def _save(path: str, checkpoint: dict[str, Any], lazy: bool = False, **settings: Any) -> None:
     """Save through the plugin with small chunks and several writers: records are split and written out of order."""
-    options: dict[str, Any] = dict(host_cache="1MiB", chunk_size="8KiB", writer_threads=4, eager_copy_size="1KiB")
+    options: dict[str, Any] = {
+        "host_cache": "1MiB",
+        "chunk_size": "8KiB",
+        "writer_threads": 4,
+        "eager_copy_size": "1KiB",
+    }
     options.update(settings)
     plugin = DataStatesIO(**options)
     if lazy:
@@ -55,6 +62,22 @@ def _save(path: str, checkpoint: dict[str, Any], lazy: bool = False, **settings:
     plugin.barrier()
     plugin.teardown()
     plugin.raise_pending_failure()
+
+
+@contextlib.contextmanager
+def torch_crc_off() -> Iterator[None]:
+    """torch's process-wide CRC option off for the block (as a user may set it), restored afterwards."""
+    previous = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(previous)
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as handle:
+        return handle.read()
 
 
 def _records(data: bytes) -> list[Any]:
@@ -147,14 +170,14 @@ def test_plugin_files_carry_crcs_that_zip_tools_accept(tmp_path, lazy: bool, chu
     path = str(tmp_path / "a.ckpt")
     checkpoint = {**_checkpoint(), "big": torch.randn(3 * 1024**2 // 4)}
     _save(path, checkpoint, lazy=lazy, chunk_size=chunk_size, host_cache="16MiB")
-    data = open(path, "rb").read()
+    data = _read(path)
     for record in _records(data):
         assert record.crc32 == zlib.crc32(data[record.data_offset : record.end]), record.name
         assert record.descriptor_crc32 == (record.crc32 if record.nbytes else None), record.name
     with zipfile.ZipFile(path) as archive:
         assert archive.testzip() is None
     if shutil.which("unzip"):
-        result = subprocess.run(["unzip", "-tq", path], capture_output=True, text=True, timeout=60)
+        result = subprocess.run(["unzip", "-tq", path], capture_output=True, text=True, timeout=60, check=False)
         assert result.returncode == 0, result.stdout + result.stderr
     report = verify_file(path)
     assert report.complete and report.verified == report.records == len(_records(data))
@@ -165,15 +188,10 @@ def test_fallback_files_carry_crcs_even_with_torchs_crc_option_off(tmp_path, cap
     # Quantized tensors make the layout planner fall back to a plain torch.save; the user turned torch's CRC off.
     checkpoint = {"q": torch.quantize_per_tensor(torch.randn(50), 0.1, 3, torch.qint8), "w": torch.randn(40)}
     path = str(tmp_path / "q.ckpt")
-    previous = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
-    try:
-        with caplog.at_level(logging.WARNING, logger="lightning_datastates"):
-            _save(path, checkpoint)
-    finally:
-        torch.serialization.set_crc32_options(previous)
+    with torch_crc_off(), caplog.at_level(logging.WARNING, logger="lightning_datastates"):
+        _save(path, checkpoint)
     assert "plain torch.save" in caplog.text
-    data = open(path, "rb").read()
+    data = _read(path)
     assert all(r.crc32 == zlib.crc32(data[r.data_offset : r.end]) for r in _records(data))
     with zipfile.ZipFile(path) as archive:
         assert archive.testzip() is None
@@ -195,7 +213,7 @@ def test_a_flipped_payload_byte_raises_naming_file_and_record(tmp_path) -> None:
     path = str(tmp_path / "a.ckpt")
     checkpoint = _checkpoint()
     _save(path, checkpoint)
-    weights = next(r for r in _records(open(path, "rb").read()) if r.nbytes == 300 * 70 * 4)
+    weights = next(r for r in _records(_read(path)) if r.nbytes == 300 * 70 * 4)
     _flip(path, weights.data_offset + 12345)
     with pytest.raises(CheckpointCorruptError) as caught:
         DataStatesIO().load_checkpoint(path)
@@ -240,7 +258,7 @@ def test_every_single_byte_flip_raises_or_loads_the_exact_checkpoint() -> None:
 def test_a_damaged_archive_structure_raises_corrupt_error(tmp_path) -> None:
     path = str(tmp_path / "a.ckpt")
     _save(path, _checkpoint())
-    data = open(path, "rb").read()
+    data = _read(path)
     (tmp_path / "cut.ckpt").write_bytes(data[: len(data) // 2])
     (tmp_path / "empty.ckpt").write_bytes(b"")
     for name, needle in (("cut.ckpt", "end-of-central-directory"), ("empty.ckpt", "empty")):
@@ -251,12 +269,8 @@ def test_a_damaged_archive_structure_raises_corrupt_error(tmp_path) -> None:
 
 def test_files_without_crcs_load_with_a_warning_and_are_reported_unchecked(tmp_path, caplog) -> None:
     path = str(tmp_path / "nocrc.ckpt")
-    previous = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
-    try:
+    with torch_crc_off():
         torch.save({"w": torch.randn(10)}, path)
-    finally:
-        torch.serialization.set_crc32_options(previous)
     report = verify_file(path)
     assert not report.complete and "data/0" in report.unchecked
     with caplog.at_level(logging.WARNING, logger="lightning_datastates"):
@@ -274,7 +288,7 @@ def test_resuming_from_a_damaged_checkpoint_fails_loudly(tmp_path) -> None:
     trainer = make_trainer(str(tmp_path), DataStatesIO(), [every_step_checkpoint(str(tmp_path / "ck"))], max_epochs=1)
     trainer.fit(BNModel(), make_loader())
     last = str(tmp_path / "ck" / "last.ckpt")
-    weights = max(_records(open(last, "rb").read()), key=lambda r: r.nbytes)
+    weights = max(_records(_read(last)), key=lambda r: r.nbytes)
     _flip(last, weights.data_offset + weights.nbytes // 2)
     trainer = make_trainer(str(tmp_path), DataStatesIO(), max_epochs=2)
     with pytest.raises(CheckpointCorruptError, match=weights.short_name):
