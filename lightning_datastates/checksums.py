@@ -16,6 +16,7 @@ import functools
 import struct
 import threading
 import zlib
+from typing import Any
 
 from lightning_datastates.layout import ChecksumSlot
 from lightning_datastates.storage.base import WriteSession
@@ -147,6 +148,10 @@ class ChecksummingSession(WriteSession):
             self._pieces[index] = []
             for field in self._slots[index].crc_fields:
                 self.inner.write_range(field, memoryview(field_bytes))
+
+    def __getattr__(self, name: str) -> Any:
+        # Backend details of the wrapped session (a temporary path, an upload id) stay reachable for diagnostics.
+        return getattr(self.inner, name)
 
     def complete(self) -> None:
         """Commit, once every record was written whole (and so carries its CRC-32).
