@@ -6,7 +6,13 @@ could change next.
 """
 
 from lightning_datastates.callback import DataStatesCallback
-from lightning_datastates.errors import CheckpointCaptureError, CheckpointFlushError, ConfigError, DataStatesError
+from lightning_datastates.errors import (
+    CheckpointCaptureError,
+    CheckpointCorruptError,
+    CheckpointFlushError,
+    ConfigError,
+    DataStatesError,
+)
 from lightning_datastates.plugin import DataStatesIO
 from lightning_datastates.snapshot.job import SnapshotStats
 
@@ -14,6 +20,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointCaptureError",
+    "CheckpointCorruptError",
     "CheckpointFlushError",
     "ConfigError",
     "DataStatesCallback",

@@ -84,6 +84,7 @@ class DataStatesConfig:
     on_flush_error: FlushErrorPolicy = "raise"
     on_arena_full: ArenaFullPolicy = "wait"
     stale_after_s: float = DEFAULT_STALE_AFTER_S
+    verify_checksums: bool = True
 
     @classmethod
     def from_user(
@@ -96,6 +97,7 @@ class DataStatesConfig:
         on_flush_error: FlushErrorPolicy = "raise",
         on_arena_full: ArenaFullPolicy = "wait",
         stale_after_s: float = DEFAULT_STALE_AFTER_S,
+        verify_checksums: bool = True,
     ) -> DataStatesConfig:
         """Validate user-facing arguments (as given to the constructor or in yaml)."""
         host_cache_bytes = None if host_cache is None else parse_size(host_cache, "host_cache")
@@ -107,6 +109,8 @@ class DataStatesConfig:
         eager_copy_bytes = parse_size(eager_copy_size, "eager_copy_size")
         if storage_options is not None and not isinstance(storage_options, dict):
             raise ConfigError(f"storage_options must be a dict of fsspec options, got {type(storage_options).__name__}")
+        if not isinstance(verify_checksums, bool):
+            raise ConfigError(f"verify_checksums must be True or False, got {verify_checksums!r}")
         _check_fault_policies(on_flush_error, on_arena_full, stale_after_s)
         return cls(
             host_cache_bytes,
@@ -117,6 +121,7 @@ class DataStatesConfig:
             on_flush_error=on_flush_error,
             on_arena_full=on_arena_full,
             stale_after_s=float(stale_after_s),
+            verify_checksums=verify_checksums,
         )
 
     def arena_bytes_for(self, payload_bytes: int) -> int:

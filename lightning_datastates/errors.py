@@ -22,6 +22,17 @@ class CheckpointCaptureError(DataStatesError):
     """
 
 
+class CheckpointCorruptError(DataStatesError):
+    """A checkpoint file failed its integrity check: a record's bytes do not match their CRC-32, or the archive's
+    structure is damaged. ``path`` names the file and ``record`` the damaged record (None for the structure).
+    """
+
+    def __init__(self, message: str, path: str, record: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.record = record
+
+
 class CheckpointFlushError(DataStatesError):
     """Writing a checkpoint in the background failed.
 

@@ -10,7 +10,13 @@ would have written, loadable by plain ``torch.load``.
 
 ``skip_data`` is a prototype API and the hole/record correspondence relies on torch's zip writer, so every
 plan is self-checked against torch's own zip reader (:func:`_check_layout`); when the check fails,
-:class:`LayoutUnsupported` tells the caller to fall back to a plain streamed ``torch.save``.
+:class:`LayoutUnsupported` tells the caller to fall back to a plain ``torch.save``, whose bytes
+:func:`plan_serialized_layout` turns into a layout as well.
+
+Checksums: under ``skip_data`` torch cannot know the payloads' CRC-32s, so the layout leaves every non-empty
+record's CRC-32 fields (central directory entry and data descriptor) out of the metadata and lists them as
+:class:`ChecksumSlot` s; the writer computes and fills them (:mod:`~lightning_datastates.checksums`). Metadata,
+payloads and CRC fields tile the file exactly.
 
 This module is pure: no threads, no files, no devices beyond reading tensor metadata.
 """
@@ -26,7 +32,11 @@ from typing import Any
 
 import torch
 
+from lightning_datastates.archive import ArchiveFormatError, read_archive_index
 from lightning_datastates.streams import PositionedReader
+
+#: Bytes of a CRC-32 field.
+CRC_FIELD_BYTES = 4
 
 
 class LayoutUnsupported(Exception):
@@ -46,17 +56,30 @@ class StorageRecord:
 
 
 @dataclass(frozen=True)
+class ChecksumSlot:
+    """A record whose CRC-32 the writer computes: ``nbytes`` bytes at ``data_offset``; the CRC-32 goes into the
+    4-byte fields at ``crc_fields``. ``name`` is the record's name in the archive (for error messages)."""
+
+    name: str
+    data_offset: int
+    nbytes: int
+    crc_fields: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class CheckpointLayout:
     """The complete byte layout of a checkpoint file.
 
-    ``metadata`` holds every non-payload byte as ``(file_offset, bytes)`` segments; ``records`` holds one entry
-    per storage in key order (zero-size storages included, with ``nbytes == 0``); ``total_bytes`` is the file
-    size.
+    ``metadata`` holds every byte that is neither a payload nor a CRC-32 field as ``(file_offset, bytes)``
+    segments; ``records`` holds one entry per storage in key order (zero-size storages included, with
+    ``nbytes == 0``); ``checksums`` says which CRC-32 fields the writer fills, from which bytes; ``total_bytes``
+    is the file size.
     """
 
     metadata: tuple[tuple[int, bytes], ...]
     records: tuple[StorageRecord, ...]
     total_bytes: int
+    checksums: tuple[ChecksumSlot, ...] = ()
 
     @property
     def payload_bytes(self) -> int:
@@ -81,13 +104,58 @@ def plan_layout(checkpoint: Any) -> tuple[CheckpointLayout, list[torch.UntypedSt
         # torch.save needs only write() and flush() of its target.
         torch.save(checkpoint, sink, pickle_module=_recording_pickle_module(storages_by_key))  # type: ignore[arg-type]
     storages = [storages_by_key[key] for key in range(len(storages_by_key))]
-    layout = CheckpointLayout(
-        metadata=tuple(sink.segments),
-        records=_match_records(sink.holes, storages),
-        total_bytes=sink.size,
-    )
-    _check_layout(layout)
+    records = _match_records(sink.holes, storages)
+    _check_layout(CheckpointLayout(metadata=tuple(sink.segments), records=records, total_bytes=sink.size))
+    segments = tuple(sink.segments)
+    slots = _checksum_slots(_SparseReader(segments, sink.size).read_at, sink.size)
+    holes = {(r.offset, r.nbytes) for r in records if r.nbytes}
+    if not holes <= {(slot.data_offset, slot.nbytes) for slot in slots}:
+        raise LayoutUnsupported("a storage's hole is not exactly one record of the archive")
+    layout = CheckpointLayout(_without_fields(segments, slots), records, sink.size, slots)
     return layout, storages
+
+
+def plan_serialized_layout(data: bytes) -> CheckpointLayout:
+    """The layout of a file already serialized (by a plain ``torch.save``): all of it is metadata, except the
+    CRC-32 fields, which the writer recomputes (torch's CRC option is process-wide and may be off).
+
+    Raises:
+        LayoutUnsupported: ``data`` is not a readable zip archive.
+    """
+    view = memoryview(data)
+    slots = _checksum_slots(lambda offset, nbytes: view[offset : offset + nbytes], len(data))
+    return CheckpointLayout(_without_fields(((0, data),), slots), (), len(data), slots)
+
+
+def _checksum_slots(read_at: Any, size: int) -> tuple[ChecksumSlot, ...]:
+    """One slot per non-empty record of the archive (empty records keep their CRC-32 of 0 in the metadata)."""
+    try:
+        index = read_archive_index(read_at, size)
+    except ArchiveFormatError as exc:
+        raise LayoutUnsupported(f"the planned archive does not parse: {exc}") from exc
+    return tuple(ChecksumSlot(r.name, r.data_offset, r.nbytes, r.crc_fields) for r in index if r.nbytes)
+
+
+def _without_fields(
+    segments: tuple[tuple[int, bytes], ...], slots: tuple[ChecksumSlot, ...]
+) -> tuple[tuple[int, bytes], ...]:
+    """``segments`` with the bytes of every CRC-32 field of ``slots`` cut out (those the writer fills)."""
+    fields = sorted(field for slot in slots for field in slot.crc_fields)
+    result: list[tuple[int, bytes]] = []
+    for offset, data in segments:
+        position, end = offset, offset + len(data)
+        index = bisect.bisect_left(fields, offset - CRC_FIELD_BYTES + 1)
+        while index < len(fields) and fields[index] < end:
+            field = fields[index]
+            if field < position or field + CRC_FIELD_BYTES > end:
+                raise LayoutUnsupported(f"a CRC-32 field at byte {field} straddles a metadata segment")
+            if field > position:
+                result.append((position, data[position - offset : field - offset]))
+            position = field + CRC_FIELD_BYTES
+            index += 1
+        if position < end:
+            result.append((position, data[position - offset :]))
+    return tuple(result)
 
 
 def _recording_pickle_module(storages_by_key: dict[int, torch.UntypedStorage]) -> Any:
@@ -183,6 +251,18 @@ class _LayoutSink:
 
 class _SparseReader(PositionedReader):
     """A read-only view of a planned file: metadata segments where planned, zeros in the holes."""
+
+    def read_at(self, offset: int, nbytes: int) -> bytes:
+        """Up to ``nbytes`` bytes from ``offset`` (the position moves there)."""
+        index = bisect.bisect_right(self._starts, offset) - 1
+        if index >= 0:  # fast path: inside one segment (headers and the central directory always are)
+            start, data = self._segments[index]
+            if offset + nbytes <= start + len(data):
+                self._position = offset + nbytes
+                return data[offset - start : offset - start + nbytes]
+        self.seek(offset)
+        buffer = bytearray(max(0, nbytes))
+        return bytes(buffer[: self.readinto(buffer)])
 
     def __init__(self, segments: tuple[tuple[int, bytes], ...], size: int) -> None:
         super().__init__(size)

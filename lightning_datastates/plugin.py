@@ -62,6 +62,9 @@ class DataStatesIO(CheckpointIO):
             written, and the removals it would allow are dropped, so older checkpoints stay).
         stale_after_s: temporary files of other hosts and open S3 uploads whose writer cannot be asked are removed
             once this old (default 3600); those of dead processes on this host at once.
+        verify_checksums: check every record of a checkpoint against its CRC-32 before loading it (default True);
+            a damaged file raises :class:`~lightning_datastates.errors.CheckpointCorruptError` naming the file and
+            the record. Checksums are always written; False only skips the check on load.
     """
 
     def __init__(
@@ -71,6 +74,7 @@ class DataStatesIO(CheckpointIO):
         chunk_size: Size = "64MiB",
         eager_copy_size: Size = "64KiB",
         storage_options: dict[str, Any] | None = None,
+        verify_checksums: bool = True,
         on_flush_error: FlushErrorPolicy = "raise",
         on_arena_full: ArenaFullPolicy = "wait",
         stale_after_s: float = DEFAULT_STALE_AFTER_S,
@@ -85,6 +89,7 @@ class DataStatesIO(CheckpointIO):
             on_flush_error=on_flush_error,
             on_arena_full=on_arena_full,
             stale_after_s=stale_after_s,
+            verify_checksums=verify_checksums,
         )
         self._engine: SnapshotEngine | None = None
         self._owner: DataStatesCallback | None = None
@@ -132,13 +137,20 @@ class DataStatesIO(CheckpointIO):
 
         Raises:
             CheckpointFlushError: the pending write of ``path`` failed.
+            CheckpointCorruptError: ``path`` fails its integrity check (with ``verify_checksums``).
             FileNotFoundError: no checkpoint at ``path``.
         """
         path = _path_str(path)
         if self._engine is not None:
             self._engine.wait_path(path)
             self.raise_pending_failure(path)
-        return load_checkpoint(self._writer(path), path, map_location=map_location, weights_only=weights_only)
+        return load_checkpoint(
+            self._writer(path),
+            path,
+            map_location=map_location,
+            weights_only=weights_only,
+            verify_checksums=self.config.verify_checksums,
+        )
 
     def remove_checkpoint(self, path: _PATH) -> None:
         """Drop a pending write of ``path`` (or let a commit in progress end), then delete the file.

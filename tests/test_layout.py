@@ -19,6 +19,7 @@ import random
 import struct
 import threading
 import zipfile
+import zlib
 from typing import Any, NamedTuple
 
 import pytest
@@ -59,6 +60,10 @@ def _assemble(obj: Any) -> tuple[bytes, CheckpointLayout, list[torch.UntypedStor
         data = _raw(storages[record.key])
         assert len(data) == record.nbytes
         buffer[record.offset : record.offset + record.nbytes] = data
+    for slot in layout.checksums:  # as the writer's ChecksummingSession does
+        crc = struct.pack("<I", zlib.crc32(buffer[slot.data_offset : slot.data_offset + slot.nbytes]))
+        for field in slot.crc_fields:
+            buffer[field : field + 4] = crc
     return bytes(buffer), layout, storages
 
 
@@ -404,10 +409,11 @@ def test_layout_invariants(case: str) -> None:
     assert [r.key for r in layout.records] == list(range(len(storages)))
     assert [r.nbytes for r in layout.records] == [s.nbytes() for s in storages]
     assert layout.payload_bytes == sum(s.nbytes() for s in storages)
-    # Metadata and payloads tile the file exactly: no gap, no overlap.
+    # Metadata, payloads and CRC-32 fields tile the file exactly: no gap, no overlap.
     spans = [(offset, len(data)) for offset, data in layout.metadata] + [
         (r.offset, r.nbytes) for r in layout.records if r.nbytes
     ]
+    spans += [(field, 4) for slot in layout.checksums for field in slot.crc_fields]
     spans.sort()
     position = 0
     for offset, length in spans:

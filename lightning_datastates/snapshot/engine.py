@@ -25,9 +25,10 @@ from typing import Any
 
 import torch
 
+from lightning_datastates.checksums import checksummed
 from lightning_datastates.config import DataStatesConfig
 from lightning_datastates.errors import CheckpointCaptureError
-from lightning_datastates.layout import CheckpointLayout, StorageRecord, plan_layout
+from lightning_datastates.layout import CheckpointLayout, StorageRecord, plan_layout, plan_serialized_layout
 from lightning_datastates.snapshot.arena import HostArena
 from lightning_datastates.snapshot.chunks import Chunk, plan_chunks
 from lightning_datastates.snapshot.copier import CopierSet
@@ -104,7 +105,8 @@ class SnapshotEngine:
             if lazy is None or r.nbytes <= self.config.eager_copy_bytes or not lazy(storages[r.key])
         }
         devices = {s.device for s in storages if s.nbytes() > 0}
-        session = writer.begin(path, layout.total_bytes)
+        # Writer threads checksum what they write and fill each record's CRC-32 (checksums.py).
+        session = checksummed(writer.begin(path, layout.total_bytes), layout.checksums)
         try:
             job = SnapshotJob(
                 path=path,
@@ -308,8 +310,7 @@ class SnapshotEngine:
                     reason,
                 )
                 self._warned_fallback = True
-            data = buffer.getvalue()
-            return CheckpointLayout(metadata=((0, data),), records=(), total_bytes=len(data)), []
+            return plan_serialized_layout(buffer.getvalue()), []
 
     def _admit(self, layout: CheckpointLayout, arena: HostArena, may_skip: bool) -> str | None:
         """Bound the checkpoints in flight before a new one starts: None to go on, or why it is skipped.
