@@ -161,7 +161,7 @@ class ChecksummingSession(WriteSession):
         """
         with self._lock:
             if self._unfinished:
-                missing = next(s for s, w in zip(self._slots, self._written) if w < s.nbytes)
+                missing = next(s for s, w in zip(self._slots, self._written, strict=True) if w < s.nbytes)
                 raise RuntimeError(
                     f"{self.path}: record {missing.name} is incomplete ({self._written[self._slots.index(missing)]} "
                     f"of {missing.nbytes} bytes written); the checkpoint was not committed"

@@ -82,7 +82,7 @@ def verify_buffer(data: Any, path: str) -> IntegrityReport:
             raise CheckpointCorruptError(f"{path} is damaged: {exc}", path) from exc
         checked = [r for r in records if r.crc32 or not r.nbytes]
         actual = _checksums(view, checked)
-        for record, crc in zip(checked, actual):
+        for record, crc in zip(checked, actual, strict=True):
             if crc != record.crc32:
                 raise CheckpointCorruptError(_mismatch(path, record, crc), path, record.short_name)
             if record.descriptor_crc32 is not None and record.descriptor_crc32 != record.crc32:

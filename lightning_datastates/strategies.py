@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 
 
 class PluginBypassedWarning(UserWarning):
@@ -30,7 +30,8 @@ def bypass_reason(strategy: Any) -> str | None:
     if isinstance(strategy, ModelParallelStrategy) and getattr(strategy, "_save_distributed_checkpoint", True):
         return (
             "ModelParallelStrategy(save_distributed_checkpoint=True) writes each checkpoint as a directory with "
-            "torch.distributed.checkpoint (for single files that DataStatesIO writes: save_distributed_checkpoint=False)"
+            "torch.distributed.checkpoint (for single files, which DataStatesIO writes: "
+            "save_distributed_checkpoint=False)"
         )
     if isinstance(strategy, DeepSpeedStrategy):
         return "DeepSpeedStrategy writes each checkpoint as a directory through the DeepSpeed engine"

@@ -3,8 +3,9 @@
 Usage: python3 scripts/bench_integrity.py [DIR] [--mib 512] [--rounds 5]. Checksums are always written; for
 comparison only, "bare" swaps the engine's checksumming session for the storage session itself (CRC fields stay
 zero, chunks written whole), and "windows, no CRC" for one that writes in the same 1 MiB windows without
-checksumming (the CRC-32's own cost). Flushes are timed from the save call to the commit (``SnapshotStats.durable_s``); loads from the call to the
-returned dict, file in the page cache. Variants alternate within each round. Prints medians.
+checksumming (the CRC-32's own cost). Flushes are timed from the save call to the commit
+(``SnapshotStats.durable_s``); loads from the call to the returned dict, file in the page cache.
+Variants alternate within each round. Prints medians.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def main() -> None:
     print(f"flush time with CRC-32 / bare: {crc / statistics.median(flush['bare']):.2f}x")
     print(f"flush time with CRC-32 / windows, no CRC: {crc / statistics.median(flush['windows, no CRC']):.2f}x")
     print(
-        f"load cost of verification: {statistics.median(load['verified']) / statistics.median(load['unverified']):.2f}x time"
+        "load cost of verification: "
+        f"{statistics.median(load['verified']) / statistics.median(load['unverified']):.2f}x time"
     )
 
 

@@ -189,7 +189,7 @@ class _LocalThing:
 
 UNPICKLABLE = {
     "lambda": lambda: {"hyper_parameters": {"activation": lambda x: x}},
-    "open file": lambda: {"log": open(os.devnull)},  # noqa: SIM115 - the point of the test
+    "open file": lambda: {"log": open(os.devnull)},
     "lock": lambda: {"lock": threading.Lock()},
     "generator": lambda: {"batches": (i for i in range(3))},
     "local class": lambda: {"thing": type("Local", (), {})()},
@@ -264,7 +264,7 @@ def test_every_plain_dtype_loads_with_weights_only(tmp_path) -> None:
     _roundtrip(tmp_path, checkpoint, lazy=False, weights_only=True)
 
 
-# ---------------------------------------------------------------------------------------------------- shapes and sharing
+# ------------------------------------------------------------------------------------------------ shapes and sharing
 @PATHS
 def test_views_non_contiguous_and_zero_size_tensors(tmp_path, lazy: bool) -> None:
     base = torch.randn(40, 30)

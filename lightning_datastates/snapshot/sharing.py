@@ -95,7 +95,7 @@ class SharedCopies:
                 states = [self._chunks.get(id(chunk)) for chunk, _ in shared.pieces]
                 if any(state is None or state.sealed for state in states):
                     continue  # partly freed (or skipped) already: copy it ourselves
-                for state, (_, piece) in zip(states, shared.pieces):
+                for state, (_, piece) in zip(states, shared.pieces, strict=True):
                     assert state is not None
                     entry = state.followers.get(id(job))
                     if entry is None:

@@ -20,7 +20,8 @@ import socket
 import threading
 import time
 import uuid
-from typing import BinaryIO, Iterator
+from collections.abc import Iterator
+from typing import BinaryIO
 
 from lightning_datastates.storage.base import DEFAULT_STALE_AGE_S, StorageWriter, WriteSession
 

@@ -405,7 +405,7 @@ class S3WriteSession(WriteSession):
                 lambda: self._writer._call("delete_object", Bucket=self.bucket, Key=marker.key),
                 missing_ok=True,
             )
-        except Exception:  # noqa: BLE001 - advisory object; the checkpoint itself is settled
+        except Exception:
             log.warning("lightning_datastates: could not remove the upload marker of %s", self.path, exc_info=True)
 
     # ------------------------------------------------------------------ helpers (call with the lock held)
