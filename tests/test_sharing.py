@@ -37,7 +37,9 @@ class HoldWritesDuringSaves(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.gate.set()
 
-    def on_train_end(self, trainer, pl_module) -> None:
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        # Not on_train_end: the plugin's callback drains there, possibly before this one runs, and would wait on
+        # the closed gate.
         self.gate.set()
 
 
