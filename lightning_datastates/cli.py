@@ -24,6 +24,7 @@ import torch
 from lightning_datastates.errors import CheckpointCorruptError
 from lightning_datastates.reader import verify_checkpoint
 from lightning_datastates.storage import LocalWriter, StorageWriter, local_path, writer_for
+from lightning_datastates.storage.base import DEFAULT_STALE_AGE_S
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -59,6 +60,14 @@ def _parser() -> argparse.ArgumentParser:
     inspect.set_defaults(run=_inspect)
     clean = commands.add_parser("clean", help="remove temporary files and open uploads of writers that died")
     clean.add_argument("directories", nargs="+", metavar="DIR_OR_URL")
+    clean.add_argument(
+        "--max-age-s",
+        type=_non_negative_seconds,
+        default=DEFAULT_STALE_AGE_S,
+        metavar="SECONDS",
+        help="remove leftovers whose writer cannot be asked (another host, no marker) once older than this "
+        f"(default {DEFAULT_STALE_AGE_S:g}; those of dead processes on this host go at once)",
+    )
     clean.set_defaults(run=_clean)
     return parser
 
@@ -197,7 +206,7 @@ def _clean(args: argparse.Namespace, options: dict[str, Any] | None) -> int:
     status = 0
     for directory in args.directories:
         try:
-            removed = writer_for(directory, options).clean_stale(directory)
+            removed = writer_for(directory, options).clean_stale(directory, max_age_s=args.max_age_s)
         except (OSError, ValueError) as exc:
             print(f"ERROR {directory}: {exc}")
             status = 1
@@ -206,6 +215,16 @@ def _clean(args: argparse.Namespace, options: dict[str, Any] | None) -> int:
             print(f"removed {entry}")
         print(f"{directory}: {len(removed)} stale temporary file(s) or upload(s) removed")
     return status
+
+
+def _non_negative_seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not seconds >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of seconds >= 0")
+    return seconds
 
 
 def _size(nbytes: int) -> str:
