@@ -28,6 +28,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+import lightning_datastates.metrics
 from lightning_datastates import DataStatesIO
 from tests.conftest import BNModel, make_loader
 from tests.script_support import (
@@ -39,6 +40,20 @@ from tests.script_support import (
 )
 
 WRITE_DELAY_S = 0.05
+#: The aggregates each fit computed on this rank (what the callback logs at the end of training, logger or not).
+FIT_TOTALS: list[dict[str, float]] = []
+
+
+def _record_totals() -> None:
+    """Keep the end-of-fit aggregates this rank computes: rank 1 saves nothing, so it has them only via the sync."""
+    log = lightning_datastates.metrics._log
+
+    def recording_log(trainer: L.Trainer, values: dict[str, float]) -> None:
+        if "datastates/checkpoints" in values:
+            FIT_TOTALS.append(dict(values))
+        log(trainer, values)
+
+    lightning_datastates.metrics._log = recording_log
 
 
 class RankProbe(Callback):
@@ -136,6 +151,7 @@ def run_ddp(out: str) -> None:
             "engine_seen": probe.engine_seen,
             "threads_seen": sorted(probe.threads_seen),
             "threads_at_end": datastates_threads(),
+            "fit_totals": FIT_TOTALS,
         },
     )
 
@@ -160,6 +176,7 @@ def main() -> None:
 
 
 slow_local_writes(WRITE_DELAY_S)
+_record_totals()
 if os.environ.get("BROKEN_DRAIN") == "1":
     break_draining()
 

@@ -69,6 +69,10 @@ def test_ddp_rank0_writes_other_rank_pays_nothing_all_ranks_resume(tmp_path):
     assert reports[0]["engine_seen"] and reports[0]["threads_seen"]
     assert not reports[1]["engine_seen"] and reports[1]["threads_seen"] == []
     assert reports[0]["threads_at_end"] == [] and reports[1]["threads_at_end"] == []
+    # The end-of-fit aggregates (torchmetrics) are synced: rank 1, which saved nothing, computed rank 0's figures.
+    totals = [report["fit_totals"] for report in reports]
+    assert len(totals[0]) == 2 and totals[0][0]["datastates/checkpoints"] > 0  # one per fit
+    assert totals[1] == totals[0]
 
     # Every file equals, bit for bit, the state recorded at its save call: after the first fit and at the end.
     fit1 = tmp_path / "fit1"
