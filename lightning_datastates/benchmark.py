@@ -64,7 +64,6 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Sequence
 from typing import Any
 
 import lightning as L
@@ -482,11 +481,6 @@ def raw_write_throughput(directory: str, nbytes: int) -> float:
     return nbytes / elapsed
 
 
-def _p(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
-
-
 def summarize_run(run: dict[str, Any], raw_bps: float | None) -> dict[str, Any]:
     """One method's figures for one round (see the module docstring for their meaning)."""
     row: dict[str, Any] = {"train_s": run["train_s"], "fit_s": run["fit_s"], "peak_rss_bytes": run["peak_rss_bytes"]}
@@ -495,14 +489,14 @@ def summarize_run(run: dict[str, Any], raw_bps: float | None) -> dict[str, Any]:
     if not cks:
         return row
     blocked = [c["call_s"] + c["barrier_s"] for c in cks]
-    row.update(blocked_p50_s=_p(blocked, 0.5), blocked_max_s=max(blocked), checkpoints=len(cks))
+    row.update(blocked_p50_s=statistics.median(blocked), blocked_max_s=max(blocked), checkpoints=len(cks))
     row["bytes"] = statistics.median(c["bytes"] for c in cks)
     durable = [c["durable"] - c["start"] for c in cks if c.get("durable") is not None]
     if durable:
-        row["durable_p50_s"] = _p(durable, 0.5)
+        row["durable_p50_s"] = statistics.median(durable)
     fsyncs = [c["fsync_s"] for c in cks if c.get("fsync_s") is not None]
     if fsyncs:
-        row["fsync_p50_s"] = _p(fsyncs, 0.5)
+        row["fsync_p50_s"] = statistics.median(fsyncs)
     rates = [c["bytes"] / (c["durable"] - c["flush_start"]) for c in cks if c.get("durable") is not None]
     if rates:
         row["flush_Bps"] = statistics.median(rates)
@@ -599,8 +593,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Train one model under each checkpointing method in turn and compare what each costs.",
     )
     parser.add_argument("--model", choices=list(MODELS), help="GPT size (default 40M; 3M with --short)")
-    parser.add_argument("--steps", type=int, help="training steps per run (default 16; 8 with --short)")
-    parser.add_argument("--every", type=int, default=4, help="checkpoint every N steps (default 4)")
+    parser.add_argument("--steps", type=int, help="training steps per run (default 16; 12 with --short)")
+    parser.add_argument("--every", type=int, help="checkpoint every N steps (default 4; 3 with --short)")
     parser.add_argument("--rounds", type=int, help="repeats; figures are medians over them (default 3; 1 --short)")
     parser.add_argument("--dir", help="target directory for checkpoints (default: a new temporary directory)")
     parser.add_argument("--out", default=".", help="where benchmark.md/.json/.png go (default: current directory)")
@@ -620,7 +614,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--selftest-wait-durable", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.model = args.model or ("3M" if args.short else "40M")
-    args.steps = args.steps or (8 if args.short else 16)
+    args.steps = args.steps or (12 if args.short else 16)
+    args.every = args.every or (3 if args.short else 4)
     args.rounds = args.rounds or (1 if args.short else 3)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = set(args.methods) - set(METHODS)
@@ -688,7 +683,7 @@ def main(argv: list[str] | None = None) -> int:
                 blocked = [c["call_s"] + c["barrier_s"] for c in runs[method]["checkpoints"]]
                 print(
                     f"  round {index + 1} {method:<10} train {runs[method]['train_s']:6.2f} s, "
-                    f"blocked p50 {(_p(blocked, 0.5) * 1e3 if blocked else 0):8.1f} ms"
+                    f"blocked p50 {(statistics.median(blocked) * 1e3 if blocked else 0):8.1f} ms"
                 )
             rounds.append({m: summarize_run(r, raw[index] if len(raw) > index else None) for m, r in runs.items()})
             last_runs = runs
