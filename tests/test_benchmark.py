@@ -102,7 +102,15 @@ def test_combine_takes_medians_over_rounds_and_compares_with_no_checkpointing() 
     assert table["datastates"]["blocked_p50_s"] == pytest.approx(0.2)
     assert table["datastates"]["extra_rss_per_ckpt"] == pytest.approx(2.0)  # 2 MB more than none, 1 MB files
     text = benchmark.markdown(table, "header")
-    assert "| datastates | 10.50 | +5.0% |" in text
+    assert "| datastates | 10.50 | +5.0% | - |" in text
+
+
+def test_quiet_step_overhead_compares_with_steps_free_of_checkpoint_activity() -> None:
+    steps = [[0.0, 1.0], [1.0, 2.0], [2.0, 3.5], [3.5, 4.5], [4.5, 5.5]]  # step 3 (1.5 s) overlaps a flush
+    checkpoint = {"start": 2.0, "call_s": 0.1, "copy_end": 2.2, "durable": 3.0}
+    assert benchmark.quiet_step_overhead(steps, [checkpoint]) == pytest.approx(5.5 / 5.0 - 1)
+    assert benchmark.quiet_step_overhead(steps[:2], [checkpoint]) == pytest.approx(0.0)
+    assert benchmark.quiet_step_overhead(steps[2:3], []) is None  # fewer than two quiet steps
 
 
 def test_timeline_without_matplotlib_says_how_to_install(monkeypatch: Any, capsys: Any, tmp_path: Any) -> None:
