@@ -336,8 +336,8 @@ class BenchDataStatesIO(DataStatesIO):
     """DataStatesIO, timed; ``wait_durable`` (a self-test knob) makes each save wait for its commit, to prove the
     blocked-time gate fails when the lazy path is broken."""
 
-    def __init__(self, recorder: Recorder, wait_durable: bool = False) -> None:
-        super().__init__()
+    def __init__(self, recorder: Recorder, wait_durable: bool = False, **options: Any) -> None:
+        super().__init__(**options)
         self.recorder, self.wait_durable = recorder, wait_durable
         self._records: dict[int, dict[str, Any]] = {}
         self._last: dict[str, Any] | None = None
@@ -396,8 +396,11 @@ def _trainer(steps: int, callbacks: list[Callback], plugin: Any | None, accelera
 
 
 def run_method(method: str, model: str, steps: int, every: int, directory: str, accelerator: str,
-               wait_durable: bool = False) -> dict[str, Any]:  # fmt: skip
-    """Worker: train ``model`` for ``steps`` steps under ``method`` (one of :data:`METHODS`); the measurements."""
+               wait_durable: bool = False, options: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Worker: train ``model`` for ``steps`` steps under ``method`` (one of :data:`METHODS`); the measurements.
+
+    ``options`` are keyword arguments of :class:`~lightning_datastates.DataStatesIO` (method ``datastates``).
+    """
     torch.set_num_threads(1)
     for name in ("lightning.pytorch", "lightning.fabric", "torch.distributed"):
         logging.getLogger(name).setLevel(logging.ERROR)
@@ -424,7 +427,7 @@ def run_method(method: str, model: str, steps: int, every: int, directory: str, 
         plugin = DcpAsyncIO(recorder)
         callbacks.append(DcpBarrier(plugin))
     elif method == "datastates":
-        plugin = BenchDataStatesIO(recorder, wait_durable)
+        plugin = BenchDataStatesIO(recorder, wait_durable, **(options or {}))
     elif method != "none":
         raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
     if plugin is not None:
@@ -630,6 +633,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         help="exit 1 if DataStatesIO's median blocked time per checkpoint exceeds this times TorchCheckpointIO's",
     )
+    parser.add_argument(
+        "--datastates",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a DataStatesIO argument for the datastates method, e.g. writer_threads=2 (repeatable)",
+    )
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG timeline")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run one method, write JSON to --result
@@ -647,14 +657,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--methods: unknown {sorted(unknown)}; choose from {', '.join(METHODS)}")
     if not 1 <= args.every <= args.steps:
         parser.error(f"--every must be between 1 and --steps ({args.steps}), got {args.every}")
+    _options(args.datastates)  # fail early on a malformed pair
     if args.max_blocked_vs_sync is not None and not {"torch", "datastates"} <= set(args.methods):
         parser.error("--max-blocked-vs-sync needs the methods torch and datastates")
     return args
 
 
+def _options(pairs: list[str]) -> dict[str, Any]:
+    """``["writer_threads=2", "chunk_size=32MiB"]`` -> ``{"writer_threads": 2, "chunk_size": "32MiB"}``."""
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--datastates expects NAME=VALUE, got {pair!r}")
+        options[name.strip()] = int(value) if value.strip().isdigit() else value.strip()
+    return options
+
+
 def _worker_main(args: argparse.Namespace) -> int:
     result = run_method(
-        args.worker, args.model, args.steps, args.every, args.dir, args.accelerator, args.selftest_wait_durable
+        args.worker,
+        args.model,
+        args.steps,
+        args.every,
+        args.dir,
+        args.accelerator,
+        args.selftest_wait_durable,
+        _options(args.datastates),
     )
     with open(args.result, "w") as out:
         json.dump(result, out)
@@ -667,6 +696,8 @@ def _spawn(args: argparse.Namespace, method: str, directory: str, result_path: s
                "--accelerator", args.accelerator]  # fmt: skip
     if args.selftest_wait_durable:
         command.append("--selftest-wait-durable")
+    for option in args.datastates:
+        command += ["--datastates", option]
     done = subprocess.run(command, check=False, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"method {method} failed (exit {done.returncode}):\n{done.stdout}\n{done.stderr}")
