@@ -38,15 +38,16 @@ Columns of the report (one row per method; each figure is the median over ``--ro
   call (torch, dcp, datastates: serialization, staging and copy stream into the write) or when the writer thread
   picks the file up (async). ``vs raw``: that over the raw throughput of the target measured in the same round:
   one file of the same size written sequentially in 64 MiB ``write`` calls, then ``fsync``.
-- ``peak RSS GB``: the subprocess's peak resident memory; ``extra/ckpt``: (peak RSS - peak RSS of ``none``) /
-  checkpoint size, i.e. host memory beyond model and optimizer in units of one checkpoint.
+- ``peak RSS GB``: the subprocess's peak resident memory during the measured fit (Linux: reset after the
+  warm-up); ``extra/ckpt``: (peak RSS - peak RSS of ``none``) / checkpoint size, i.e. host memory beyond model
+  and optimizer in units of one checkpoint.
 - ``extra GPU GB`` (CUDA only): ``torch.cuda.max_memory_allocated`` - that of ``none``.
 
 Outputs: the table on stdout and in ``benchmark.md``, every measurement in ``benchmark.json``, and a timeline
 ``benchmark.png`` (needs matplotlib: ``pip install 'lightning-datastates[bench]'``) of each method's steps and each
 checkpoint's copy and flush phases, in ``--out``.
 
-``--short`` runs a tiny model for a few steps (well under two minutes on two cores); with
+``--short`` runs a small model (6M parameters) for a few steps (well under two minutes on two cores); with
 ``--max-blocked-vs-sync R`` the exit status is 1 when DataStatesIO's median blocked time per checkpoint exceeds
 ``R`` times TorchCheckpointIO's in the same run (a ratio, never an absolute time: CI machines differ).
 """
@@ -54,6 +55,7 @@ checkpoint's copy and flush phases, in ``--out``.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -82,6 +84,7 @@ METHODS = ("none", "torch", "async", "dcp", "datastates")
 #: GPT shapes by approximate parameter count: (vocab, dim, layers, heads, seq_len, batch_size).
 MODELS: dict[str, tuple[int, int, int, int, int, int]] = {
     "3M": (4096, 256, 3, 4, 32, 2),
+    "6M": (16384, 256, 2, 4, 32, 2),  # --short: few tensors, 70 MB checkpoints
     "10M": (8192, 384, 4, 6, 64, 2),
     "40M": (32768, 512, 8, 8, 64, 2),
     "125M": (50304, 768, 12, 12, 256, 4),
@@ -413,6 +416,8 @@ def run_method(method: str, model: str, steps: int, every: int, directory: str, 
     # Warm-up: first-call costs (kernels, allocator, imports) land on no measured step.
     L.seed_everything(SEED, verbose=False)
     _trainer(2, [], None, accelerator).fit(_make_model(model), loader)
+    gc.collect()
+    reset_peak_rss()  # the warm-up's model and optimizer are gone: they must not set the peak
     L.seed_everything(SEED, verbose=False)
     gpt = _make_model(model)
     recorder = Recorder()
@@ -442,7 +447,7 @@ def run_method(method: str, model: str, steps: int, every: int, directory: str, 
     fsyncer.close()
     if isinstance(plugin, BenchDataStatesIO):
         plugin.finish_records()
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    rss = peak_rss_bytes()
     for record in recorder.checkpoints:
         record["bytes"] = _size_of(record["path"])
         for key in ("start", "copy_end", "flush_start", "written", "durable"):
@@ -459,6 +464,28 @@ def run_method(method: str, model: str, steps: int, every: int, directory: str, 
         "peak_rss_bytes": rss,
         "peak_gpu_bytes": torch.cuda.max_memory_allocated() if cuda else None,
     }
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's peak resident memory to its current value (Linux); False where that is impossible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")  # 5: reset the peak RSS (VmHWM) to the current RSS
+    except OSError:
+        return False
+    return True
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory since :func:`reset_peak_rss` (Linux ``VmHWM``), else since the process started."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux, bytes on macOS: a fallback
 
 
 def _size_of(path: str) -> int:
@@ -619,7 +646,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m lightning_datastates.benchmark",
         description="Train one model under each checkpointing method in turn and compare what each costs.",
     )
-    parser.add_argument("--model", choices=list(MODELS), help="GPT size (default 40M; 3M with --short)")
+    parser.add_argument("--model", choices=list(MODELS), help="GPT size (default 40M; 6M with --short)")
     parser.add_argument("--steps", type=int, help="training steps per run (default 16; 12 with --short)")
     parser.add_argument("--every", type=int, help="checkpoint every N steps (default 4; 3 with --short)")
     parser.add_argument("--rounds", type=int, help="repeats; figures are medians over them (default 3; 1 --short)")
@@ -647,7 +674,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # Self-test of the gate (benchmark only): DataStatesIO waits for durability inside save_checkpoint.
     parser.add_argument("--selftest-wait-durable", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.model = args.model or ("3M" if args.short else "40M")
+    args.model = args.model or ("6M" if args.short else "40M")
     args.steps = args.steps or (12 if args.short else 16)
     args.every = args.every or (3 if args.short else 4)
     args.rounds = args.rounds or (1 if args.short else 3)

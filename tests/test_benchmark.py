@@ -128,4 +128,13 @@ def test_command_line_checks() -> None:
     with pytest.raises(SystemExit):
         benchmark.parse_args(["--methods", "none,torch", "--max-blocked-vs-sync", "0.25"])
     args = benchmark.parse_args(["--short"])
-    assert (args.model, args.rounds) == ("3M", 1)
+    assert (args.model, args.rounds) == ("6M", 1)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux only")
+def test_peak_rss_is_reset_after_the_warm_up() -> None:
+    big = bytearray(300 * 2**20)  # touched: resident
+    peak_with_big = benchmark.peak_rss_bytes()
+    del big
+    assert benchmark.reset_peak_rss()
+    assert benchmark.peak_rss_bytes() < peak_with_big - 200 * 2**20
