@@ -19,6 +19,10 @@ import pytest
 
 from lightning_datastates import benchmark
 
+#: DataStatesIO's blocked time may be at most this fraction of TorchCheckpointIO's in the same short run. Seen here
+#: (2 shared cores): 0.06-0.09 as shipped; 0.24-0.34 with the self-test knob (waiting for durability in save).
+GATE = "0.15"
+
 
 def _run(*args: str, out: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -32,7 +36,7 @@ def _run(*args: str, out: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.slow
 def test_short_benchmark_runs_every_method_and_passes_the_gate(tmp_path: Any) -> None:
-    result = _run("--max-blocked-vs-sync", "0.25", out=str(tmp_path))
+    result = _run("--max-blocked-vs-sync", GATE, out=str(tmp_path))
     assert result.returncode == 0, f"benchmark failed:\n{result.stdout}\n{result.stderr}"
     assert "gate: DataStatesIO blocked / TorchCheckpointIO blocked" in result.stdout
     with open(tmp_path / "benchmark.json") as f:
@@ -60,7 +64,7 @@ def test_short_benchmark_runs_every_method_and_passes_the_gate(tmp_path: Any) ->
 @pytest.mark.slow
 def test_gate_fails_when_datastates_waits_for_durability_in_save(tmp_path: Any) -> None:
     result = _run(
-        "--methods", "torch,datastates", "--selftest-wait-durable", "--max-blocked-vs-sync", "0.25", "--no-plot",
+        "--methods", "torch,datastates", "--selftest-wait-durable", "--max-blocked-vs-sync", GATE, "--no-plot",
         out=str(tmp_path),
     )  # fmt: skip
     assert result.returncode == 1, f"the gate did not fail:\n{result.stdout}\n{result.stderr}"
@@ -126,7 +130,7 @@ def test_command_line_checks() -> None:
     with pytest.raises(SystemExit):
         benchmark.parse_args(["--every", "20", "--steps", "8"])
     with pytest.raises(SystemExit):
-        benchmark.parse_args(["--methods", "none,torch", "--max-blocked-vs-sync", "0.25"])
+        benchmark.parse_args(["--methods", "none,torch", "--max-blocked-vs-sync", GATE])
     args = benchmark.parse_args(["--short"])
     assert (args.model, args.rounds) == ("6M", 1)
 
