@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_datastates import CheckpointFlushError, DataStatesIO
 from lightning_datastates.errors import ConfigError
-from lightning_datastates.reader import BufferReader
+from lightning_datastates.reader import BufferReader, fetch_into_memfd, load_checkpoint
 from lightning_datastates.storage import writer_for
 from lightning_datastates.storage.s3 import (
     MAX_PART_BYTES,
@@ -207,12 +207,38 @@ def test_read_bytes_fetches_ranges_concurrently_and_bit_exact(s3):
     data = os.urandom(3 * 8 * MiB + 123)
     s3.put("big.bin", data)
     writer = _writer(s3, max_concurrent_parts=3)
-    assert writer.read_range_bytes(len(data)) == 8 * MiB  # four ranges
+    assert writer.range_bytes_for(len(data)) == math.ceil(len(data) / 3)  # the window filled once
+    assert writer.range_bytes_for(1000) == 8 * MiB  # never below 8 MiB
     assert bytes(writer.read_bytes(s3.url("big.bin"))) == data
+    fixed = _writer(s3, max_concurrent_parts=2, read_range_bytes="5MiB")
+    assert fixed.range_bytes_for(len(data)) == 5 * MiB  # five ranges, two at a time
+    assert bytes(fixed.read_bytes(s3.url("big.bin"))) == data
     s3.put("empty.bin", b"")
     assert writer.read_bytes(s3.url("empty.bin")) == bytearray()
     with pytest.raises(FileNotFoundError):
         writer.read_bytes(s3.url("missing.bin"))
+
+
+def test_load_goes_through_an_in_memory_file_mapped_by_torch_and_honors_map_location(s3):
+    checkpoint = {"state_dict": {"w": torch.randn(3 * MiB), "b": torch.arange(7)}, "epoch": 2}
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    s3.put("run/plain.ckpt", buffer.getvalue())  # a plain torch.save file: CRC-32s present
+    writer = _writer(s3, max_concurrent_parts=4, read_range_bytes="5MiB")
+    fd = fetch_into_memfd(writer, s3.url("run/plain.ckpt"))
+    try:
+        assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:datastates-load")
+        assert os.fstat(fd).st_size == len(buffer.getvalue())
+        assert os.pread(fd, len(buffer.getvalue()), 0) == buffer.getvalue()
+    finally:
+        os.close(fd)
+    loaded = load_checkpoint(writer, s3.url("run/plain.ckpt"), weights_only=True)
+    assert_bit_equal(loaded, checkpoint)
+    loaded["state_dict"]["w"].add_(1)  # copy-on-write: writable, and the object is untouched
+    meta = load_checkpoint(writer, s3.url("run/plain.ckpt"), map_location="meta", weights_only=True)
+    assert meta["state_dict"]["w"].device.type == "meta" and meta["epoch"] == 2
+    with pytest.raises(FileNotFoundError):
+        load_checkpoint(writer, s3.url("run/missing.ckpt"))
 
 
 def test_buffer_reader_reads_seeks_and_loads_without_copying_the_buffer():

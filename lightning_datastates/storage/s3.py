@@ -74,7 +74,9 @@ _ERROR_HINTS = {
     "SignatureDoesNotMatch": "check the credentials (storage_options key/secret or the AWS_* variables)",
 }
 #: Settings of the writer itself, accepted in ``storage_options`` beside the s3fs options.
-TUNABLES = ("part_size_bytes", "max_concurrent_parts", "retries", "timeout_s")
+TUNABLES = ("part_size_bytes", "max_concurrent_parts", "retries", "timeout_s", "read_range_bytes")
+#: Largest ranged GET :meth:`S3Writer.range_bytes_for` picks by itself (``read_range_bytes`` unset).
+MAX_AUTO_RANGE_BYTES = 256 * MiB
 #: s3fs options that would break the synchronous driver.
 _REJECTED_KEYS = {"asynchronous", "loop"}
 _BACKOFF_S = 0.2
@@ -481,6 +483,8 @@ class S3Writer(StorageWriter):
         max_concurrent_parts: parts uploaded (or ranges read) at once per checkpoint (default 8).
         retries: retries of each request after its first attempt, with exponential backoff (default 3).
         timeout_s: limit of one attempt of one request (default 120 s).
+        read_range_bytes: bytes per ranged GET when loading (int or ``"64MiB"``); default None: the object split
+            evenly over ``max_concurrent_parts`` ranges, each at least 8 MiB and at most 256 MiB.
     """
 
     def __init__(
@@ -491,8 +495,10 @@ class S3Writer(StorageWriter):
         max_concurrent_parts: int = 8,
         retries: int = 3,
         timeout_s: float = 120.0,
+        read_range_bytes: Size | None = None,
     ) -> None:
         self.part_size_bytes = parse_size(part_size_bytes, "part_size_bytes")
+        self.read_range_bytes = None if read_range_bytes is None else parse_size(read_range_bytes, "read_range_bytes")
         self.max_concurrent_parts = _check_int(max_concurrent_parts, "max_concurrent_parts", 1, 1000)
         self.retries = _check_int(retries, "retries", 0, 100)
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
@@ -667,10 +673,28 @@ class S3Writer(StorageWriter):
 
     # ------------------------------------------------------------------ fast load
     def read_bytes(self, path: str) -> bytearray:
-        """The whole object at ``path``, fetched as concurrent ranged GETs (``max_concurrent_parts`` at once).
+        """The whole object at ``path`` in a new ``bytearray`` (concurrent ranged GETs, see :meth:`read_into`).
+
+        Raises:
+            S3NotFoundError: nothing at ``path`` (a ``FileNotFoundError``).
+            S3WriteError: a request failed (after retries).
+        """
+        buffers: list[bytearray] = []
+
+        def allocate(size: int) -> memoryview:
+            buffers[:] = [bytearray(size)]
+            return memoryview(buffers[0])
+
+        self.read_into(path, allocate)
+        return buffers[0]
+
+    def read_into(self, path: str, allocate: Callable[[int], memoryview]) -> int:
+        """Fetch the whole object at ``path`` into ``allocate(size)`` (a writable byte view of exactly ``size``
+        bytes) with concurrent ranged GETs, ``max_concurrent_parts`` at once, of :meth:`range_bytes_for` bytes each;
+        return the size.
 
         Every range is read with ``If-Match`` on the ETag seen first, so an object replaced meanwhile is read
-        again instead of coming back torn.
+        again (``allocate`` is called again) instead of coming back torn.
 
         Raises:
             S3NotFoundError: nothing at ``path`` (a ``FileNotFoundError``).
@@ -680,30 +704,32 @@ class S3Writer(StorageWriter):
         for attempt in range(self.retries + 1):
             head = self._run(f"reading {path}", lambda: self._call("head_object", Bucket=bucket, Key=key))
             size, etag = int(head["ContentLength"]), str(head["ETag"])
-            buffer = bytearray(size)
+            target = allocate(size)
             try:
                 self._run(
                     f"reading {path}",
-                    functools.partial(self._read_ranges, path, bucket, key, etag, memoryview(buffer)),
+                    functools.partial(self._read_ranges, path, bucket, key, etag, target),
                     retry=False,  # each range retries on its own
                 )
-                return buffer
+                return size
             except S3WriteError as exc:
                 if _error_code(exc) != "PreconditionFailed" or attempt == self.retries:
                     raise
                 log.info("lightning_datastates: %s changed while it was read; reading it again", path)
         raise AssertionError("unreachable")
 
-    def read_range_bytes(self, size: int) -> int:
-        """Bytes per ranged GET for an object of ``size`` bytes: enough ranges to fill the window, at least 8 MiB,
-        at most one part."""
-        return max(8 * MiB, min(self.part_size_bytes, math.ceil(size / self.max_concurrent_parts)))
+    def range_bytes_for(self, size: int) -> int:
+        """Bytes per ranged GET for an object of ``size`` bytes: the ``read_range_bytes`` setting if given;
+        otherwise enough ranges to fill the window once, at least 8 MiB and at most :data:`MAX_AUTO_RANGE_BYTES`."""
+        if self.read_range_bytes is not None:
+            return self.read_range_bytes
+        return max(8 * MiB, min(MAX_AUTO_RANGE_BYTES, math.ceil(size / self.max_concurrent_parts)))
 
     async def _read_ranges(self, path: str, bucket: str, key: str, etag: str, target: memoryview) -> None:
         size = target.nbytes
         if size == 0:
             return
-        step = self.read_range_bytes(size)
+        step = self.range_bytes_for(size)
         semaphore = asyncio.Semaphore(self.max_concurrent_parts)
 
         async def read_range(start: int, stop: int) -> None:
