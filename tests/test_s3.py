@@ -376,3 +376,73 @@ def test_server_killed_mid_upload_fails_loudly_and_the_plugin_recovers(moto_proc
     plugin.raise_pending_failure()
     assert_bit_equal(plugin.load_checkpoint(path, weights_only=True), small)
     assert env.open_uploads() == []
+
+
+def test_server_stalled_mid_upload_fails_within_seconds_and_the_previous_checkpoint_stays_whole(
+    moto_process, no_thread_escapes
+):
+    """A server that stops answering (SIGSTOP) mid-upload of a checkpoint that *replaces* an earlier one: the
+    failure reaches the training thread within the bounded timeouts, nothing partial is ever visible, the earlier
+    object is intact, and no multipart upload is left open once the server answers again. (A SIGKILLed moto loses
+    every object, so "the previous checkpoint is intact" is checked here, with a server that survives.)"""
+    server = moto_process.start()
+    env = fresh_bucket(server.endpoint, reset=False)
+    options = {**env.storage_options, "part_size_bytes": "5MiB", "max_concurrent_parts": 1, "retries": 1}
+    plugin = in_background(DataStatesIO(storage_options={**options, "timeout_s": 2}))
+    path = env.url("run/model.ckpt")
+    earlier = {"state_dict": {"w": torch.randn(3 * MiB)}, "step": 1}  # 12 MiB: three parts
+    plugin.save_checkpoint(earlier, path)
+    plugin.drain()
+    plugin.raise_pending_failure()
+    earlier_bytes = env.read("run/model.ckpt")
+    plugin.save_checkpoint({"state_dict": {"w": torch.randn(32 * MiB)}, "step": 2}, path)  # 128 MiB, one part at a time
+    deadline = time.monotonic() + 30
+    while _parts_received(env, "run/model.ckpt") == 0:
+        assert time.monotonic() < deadline and plugin.is_pending(path)
+        time.sleep(0.01)
+    server.pause()
+    stalled = time.monotonic()
+    failure = None
+    try:
+        while failure is None:
+            assert time.monotonic() - stalled < 30, "the failure did not reach the training thread within 30 s"
+            try:
+                plugin.raise_pending_failure()
+            except CheckpointFlushError as exc:
+                failure = exc
+            time.sleep(0.05)
+    finally:
+        server.resume()
+    delay_s = time.monotonic() - stalled
+    assert failure.path == path and "no answer within timeout_s" in str(failure.__cause__)
+    assert delay_s < 20  # 2 s per attempt, 2 attempts per request: the part, then the abort
+    plugin.drain()
+    assert env.read("run/model.ckpt") == earlier_bytes  # the earlier checkpoint, whole; nothing partial
+    assert_bit_equal(plugin.load_checkpoint(path, weights_only=True), earlier)
+    # The abort was sent while the server slept; if it was lost, the next run's clean-up (here: now) aborts it.
+    plugin.clean_stale("s3://bucket/run")
+    assert env.open_uploads() == []
+    assert [k for k in env.keys("run/") if k != "run/model.ckpt"] == []  # the upload marker went with it
+    plugin.teardown()
+
+
+def test_many_lazy_checkpoints_with_removals_keep_exactly_the_survivors_bit_exact(s3, no_thread_escapes):
+    options = {**s3.storage_options, "part_size_bytes": "5MiB", "max_concurrent_parts": 4}
+    plugin = in_background(DataStatesIO(storage_options=options, chunk_size="1MiB"), lazy=True)
+    expected = {}
+    weights = torch.randn(3 * MiB)
+    for step in range(24):
+        size = (step % 3) * 1536 * 1024 + 1000  # 4 KB to 12 MiB: single-put and multipart objects
+        checkpoint = {"state_dict": {"w": weights[:size], "b": torch.full((5,), step)}, "step": step}
+        expected[step] = {"state_dict": {"w": weights[:size].clone(), "b": torch.full((5,), step)}, "step": step}
+        plugin.save_checkpoint(checkpoint, s3.url(f"run/step={step:02d}.ckpt"))
+        plugin.barrier()  # as the callback does before the optimizer step: copies done, training may mutate
+        weights.add_(1)  # the optimizer step: the files must not see it
+        if step >= 3:
+            plugin.remove_checkpoint(s3.url(f"run/step={step - 3:02d}.ckpt"))  # keep the last three
+    plugin.drain()
+    plugin.raise_pending_failure()
+    assert s3.keys("run/") == [f"run/step={step}.ckpt" for step in (21, 22, 23)]
+    for step in (21, 22, 23):
+        assert_bit_equal(plugin.load_checkpoint(s3.url(f"run/step={step}.ckpt"), weights_only=True), expected[step])
+    plugin.teardown()
