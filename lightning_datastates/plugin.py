@@ -53,7 +53,9 @@ class DataStatesIO(CheckpointIO):
         storage_options: options for the fsspec file system of non-local paths (``s3://``, ``memory://``, ...),
             e.g. ``{"key": ..., "secret": ..., "endpoint_url": ...}``; used for saving, loading and removing.
             For ``s3://`` it also takes the multipart writer's ``part_size_bytes`` (default 16 MiB),
-            ``max_concurrent_parts`` (8), ``retries`` (3) and ``timeout_s`` (120).
+            ``max_concurrent_parts`` (8; parts uploaded, or ranges read on load, at once), ``retries`` (3),
+            ``timeout_s`` (120) and ``read_range_bytes`` (bytes per ranged GET on load; default: the object split
+            evenly over ``max_concurrent_parts`` ranges of 8 to 256 MiB).
         on_flush_error: ``"raise"`` (default): a checkpoint that fails to reach storage raises
             ``CheckpointFlushError`` on the training thread at the next hook; ``"warn"``: it is logged as a warning
             naming the path and the cause, and training goes on.
