@@ -261,7 +261,9 @@ class DataStatesIO(CheckpointIO):
             self._owner = None
 
     def _writer(self, path: str) -> StorageWriter:
-        return writer_for(path, self.config.storage_options, direct_io=self.config.storage_alignment is not None)
+        if self.config.storage_alignment is None:
+            return writer_for(path, self.config.storage_options)
+        return writer_for(path, self.config.storage_options, direct_io=True)
 
     # ------------------------------------------------------------------ pickling (ddp_spawn, LightningCLI)
     def __getstate__(self) -> dict[str, Any]:

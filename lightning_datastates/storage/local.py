@@ -180,6 +180,9 @@ class LocalWriter(StorageWriter):
         direct_io: write whole aligned blocks with ``O_DIRECT`` where the file system allows it (default False).
     """
 
+    #: A class default too: subclasses with their own ``__init__`` need not call this one.
+    direct_io: bool = False
+
     def __init__(self, direct_io: bool = False) -> None:
         self.direct_io = direct_io
 
