@@ -40,6 +40,8 @@ _UNITS = {
     "tib": 1024**4,
 }
 _MAX_SIZE_BYTES = 2**60  # 1 EiB
+#: Largest ``storage_alignment``: a 16 MiB Lustre stripe.
+MAX_ALIGNMENT = 16 * 1024**2
 _SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -85,6 +87,7 @@ class DataStatesConfig:
     on_arena_full: ArenaFullPolicy = "wait"
     stale_after_s: float = DEFAULT_STALE_AFTER_S
     verify_checksums: bool = True
+    storage_alignment: int | None = None
 
     @classmethod
     def from_user(
@@ -98,6 +101,7 @@ class DataStatesConfig:
         on_arena_full: ArenaFullPolicy = "wait",
         stale_after_s: float = DEFAULT_STALE_AFTER_S,
         verify_checksums: bool = True,
+        storage_alignment: Size | None = None,
     ) -> DataStatesConfig:
         """Validate user-facing arguments (as given to the constructor or in yaml)."""
         host_cache_bytes = None if host_cache is None else parse_size(host_cache, "host_cache")
@@ -112,6 +116,12 @@ class DataStatesConfig:
         if not isinstance(verify_checksums, bool):
             raise ConfigError(f"verify_checksums must be True or False, got {verify_checksums!r}")
         _check_fault_policies(on_flush_error, on_arena_full, stale_after_s)
+        alignment = None if storage_alignment is None else parse_size(storage_alignment, "storage_alignment")
+        if alignment is not None and not (alignment & (alignment - 1) == 0 and 64 <= alignment <= MAX_ALIGNMENT):
+            raise ConfigError(
+                f"storage_alignment must be a power of two from 64 to {MAX_ALIGNMENT} bytes (4096 for direct I/O), "
+                f"or None; got {storage_alignment!r}"
+            )
         return cls(
             host_cache_bytes,
             writer_threads,
@@ -122,6 +132,7 @@ class DataStatesConfig:
             on_arena_full=on_arena_full,
             stale_after_s=float(stale_after_s),
             verify_checksums=verify_checksums,
+            storage_alignment=alignment,
         )
 
     def arena_bytes_for(self, payload_bytes: int) -> int:

@@ -24,13 +24,17 @@ This module is pure: no threads, no files, no devices beyond reading tensor meta
 from __future__ import annotations
 
 import bisect
+import contextlib
 import io
 import pickle
+import threading
 import types
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils.serialization
 
 from lightning_datastates.archive import ArchiveFormatError, read_archive_index
 from lightning_datastates.streams import PositionedReader
@@ -87,8 +91,36 @@ class CheckpointLayout:
         return sum(r.nbytes for r in self.records)
 
 
-def plan_layout(checkpoint: Any) -> tuple[CheckpointLayout, list[torch.UntypedStorage]]:
+@contextlib.contextmanager
+def storage_alignment(alignment: int | None) -> Iterator[None]:
+    """Within the block, ``torch.save`` starts every storage's data at a multiple of ``alignment`` bytes (None:
+    torch's setting as it is, 64 by default).
+
+    torch keeps this setting process-wide (``torch.utils.serialization.config.save.storage_alignment``), so a
+    ``torch.save`` another thread runs at the same moment is padded the same way (its file stays valid). The block
+    is short (pickling the skeleton) and holds a lock, so two plans never restore each other's value.
+    """
+    if alignment is None:
+        yield
+        return
+    config = torch.utils.serialization.config.save
+    with _ALIGNMENT_LOCK:
+        previous = config.storage_alignment
+        config.storage_alignment = alignment
+        try:
+            yield
+        finally:
+            config.storage_alignment = previous
+
+
+_ALIGNMENT_LOCK = threading.Lock()
+
+
+def plan_layout(checkpoint: Any, alignment: int | None = None) -> tuple[CheckpointLayout, list[torch.UntypedStorage]]:
     """Plan the file layout of ``torch.save(checkpoint)``; return it with the storages, indexed by record key.
+
+    With ``alignment``, every storage's data starts at a file offset that is a multiple of it (see
+    :func:`storage_alignment`).
 
     One pickling pass: torch's own ``persistent_id`` names each storage's record key, and a pickler base class
     (:func:`_recording_pickle_module`) writes down which storage got which key, so the mapping is torch's, not a
@@ -100,11 +132,13 @@ def plan_layout(checkpoint: Any) -> tuple[CheckpointLayout, list[torch.UntypedSt
     """
     sink = _LayoutSink()
     storages_by_key: dict[int, torch.UntypedStorage] = {}
-    with torch.serialization.skip_data():
+    with torch.serialization.skip_data(), storage_alignment(alignment):
         # torch.save needs only write() and flush() of its target.
         torch.save(checkpoint, sink, pickle_module=_recording_pickle_module(storages_by_key))  # type: ignore[arg-type]
     storages = [storages_by_key[key] for key in range(len(storages_by_key))]
     records = _match_records(sink.holes, storages)
+    if alignment is not None and any(r.offset % alignment for r in records if r.nbytes):
+        raise LayoutUnsupported(f"torch did not align the records to {alignment} bytes")
     _check_layout(CheckpointLayout(metadata=tuple(sink.segments), records=records, total_bytes=sink.size))
     segments = tuple(sink.segments)
     slots = _checksum_slots(_SparseReader(segments, sink.size).read_at, sink.size)

@@ -1,15 +1,27 @@
 """Load checkpoints written by :class:`~lightning_datastates.DataStatesIO` (or by anything else torch can read).
 
-Local files go to ``torch.load`` through the file object they were verified through (a file replaced meanwhile
-cannot slip in between); S3 objects are fetched whole with concurrent ranged GETs and read by torch from that
-buffer in place; other protocols are read through their storage writer's file system, with the plugin's
-``storage_options``. With ``verify_checksums`` (the default) every record is checked against its CRC-32 first
-(:mod:`~lightning_datastates.integrity`): a damaged file raises instead of loading wrong weights.
+Local files: with ``verify_checksums`` (the default) every record is checked against its CRC-32 first, in parallel
+threads over a read-only mapping (:mod:`~lightning_datastates.integrity`), which also brings the whole file into the
+page cache; then ``torch.load(mmap=True)`` maps the *same open file* (through ``/proc/self/fd``, so a file replaced
+meanwhile cannot slip in between check and load) and the tensors are backed by those pages (copy-on-write: writing
+to a loaded tensor copies its page, the file is never changed). Without verification, the kernel is asked to read
+the file ahead (``POSIX_FADV_WILLNEED``) before the mapped load.
+
+S3: the object is fetched with concurrent ranged GETs (``max_concurrent_parts`` at once, ``read_range_bytes``
+each) straight into an anonymous in-memory file (``memfd_create``), verified there, and mapped by torch the same
+way: one copy of the bytes in host memory, no second copy into tensors. Other protocols are read whole through
+their storage writer's file system, with the plugin's ``storage_options``, and loaded from that buffer in place.
+
+Where ``/proc/self/fd`` or ``memfd_create`` are missing (not Linux), files are loaded through their file object and
+S3 objects from a ``bytearray``: slower, same results. ``map_location`` and ``weights_only`` behave as in
+``torch.load``; a damaged file raises :class:`~lightning_datastates.errors.CheckpointCorruptError` and never loads.
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
+import os
 from typing import IO, Any, cast
 
 import torch
@@ -21,6 +33,9 @@ from lightning_datastates.streams import PositionedReader
 
 log = logging.getLogger("lightning_datastates")
 
+#: The first bytes of a zip archive (every torch file since torch 1.6, and every file this package writes).
+_ZIP_MAGIC = b"PK\x03\x04"
+
 
 def load_checkpoint(
     writer: StorageWriter,
@@ -31,18 +46,31 @@ def load_checkpoint(
 ) -> Any:
     """``torch.load`` the committed checkpoint at ``path``; ``map_location`` and ``weights_only`` as torch.
 
+    See the module docstring for how each storage is read.
+
     Raises:
         FileNotFoundError: nothing at ``path``.
         CheckpointCorruptError: with ``verify_checksums``, a record does not match its CRC-32 (names the record).
     """
-    if not writer.exists(path):
-        raise FileNotFoundError(f"Checkpoint file not found: {path}")
     if isinstance(writer, LocalWriter):
-        with open(local_path(path), "rb") as file:
+        try:
+            file = open(local_path(path), "rb")
+        except FileNotFoundError:
+            raise FileNotFoundError(f"Checkpoint file not found: {path}") from None
+        with file:
             if verify_checksums:
                 _note_unchecked(verify_open_file(file, path))
-                file.seek(0)
-            return torch.load(file, map_location=map_location, weights_only=weights_only)
+            elif hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)  # read ahead while torch unpickles
+            return load_open_file(file, map_location, weights_only)
+    if not writer.exists(path):
+        raise FileNotFoundError(f"Checkpoint file not found: {path}")
+    if isinstance(writer, S3Writer) and hasattr(os, "memfd_create"):
+        fd = fetch_into_memfd(writer, path)
+        with os.fdopen(fd, "rb") as file:
+            if verify_checksums:
+                _note_unchecked(verify_open_file(file, path))
+            return load_open_file(file, map_location, weights_only)
     if isinstance(writer, S3Writer) or verify_checksums:
         buffer = read_whole(writer, path)
         if verify_checksums:
@@ -51,6 +79,57 @@ def load_checkpoint(
         return torch.load(cast(IO[bytes], BufferReader(buffer)), map_location=map_location, weights_only=weights_only)
     with writer.open_read(path) as stream:
         return torch.load(stream, map_location=map_location, weights_only=weights_only)
+
+
+def load_open_file(file: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
+    """``torch.load`` the open local ``file`` (a real file with a descriptor, positioned anywhere).
+
+    A zip-format file is mapped (``mmap=True``) through ``/proc/self/fd/N``: the very file that is open, even if its
+    name now points elsewhere or nowhere. Elsewhere, or for torch's legacy format, it is read through ``file``.
+    """
+    file.seek(0)
+    magic = file.read(len(_ZIP_MAGIC))
+    file.seek(0)
+    fd_path = f"/proc/self/fd/{file.fileno()}"
+    if magic == _ZIP_MAGIC and os.path.exists(fd_path):
+        return torch.load(fd_path, map_location=map_location, weights_only=weights_only, mmap=True)
+    return torch.load(file, map_location=map_location, weights_only=weights_only)
+
+
+def fetch_into_memfd(writer: S3Writer, path: str) -> int:
+    """Fetch the object at ``path`` into a new anonymous in-memory file; return its descriptor (the caller closes
+    it). The bytes live in host memory (shmem), counted against this process's memory limits like any allocation.
+
+    Raises:
+        S3NotFoundError: nothing at ``path``.
+        S3WriteError: a request failed (after retries).
+    """
+    fd = os.memfd_create("datastates-load", os.MFD_CLOEXEC)
+    mappings: list[mmap.mmap] = []
+    try:
+
+        def allocate(size: int) -> memoryview:
+            for old in mappings:  # a retry after the object changed: start over
+                old.close()
+            mappings.clear()
+            os.ftruncate(fd, 0)
+            os.ftruncate(fd, size)
+            if size == 0:
+                return memoryview(bytearray())
+            mappings.append(mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE))
+            return memoryview(mappings[0])
+
+        writer.read_into(path, allocate)
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        for mapping in mappings:
+            try:
+                mapping.close()
+            except BufferError:  # a range's view not yet collected: the mapping goes with it (same pages anyway)
+                pass
+    return fd
 
 
 def verify_checkpoint(writer: StorageWriter, path: str) -> IntegrityReport:

@@ -6,7 +6,7 @@
 The server runs as its own process (``moto_server``), so it does not share the client's GIL. Every figure is the
 median of ``--repeats`` runs. Upload: ``S3Writer`` fed from a bytes buffer by 4 threads in 64 MiB ranges (as the
 engine's writer threads feed it), begin to complete, vs ``fs.pipe_file(key, data)`` with s3fs's defaults. Load:
-``reader.load_checkpoint`` (concurrent ranged GETs + ``torch.load`` from the buffer in place) vs
+``reader.load_checkpoint`` (concurrent ranged GETs into an in-memory file, CRC-32 check, mapped ``torch.load``) vs
 ``torch.load(fs.open(path, "rb"))``. Loopback moto is CPU-bound (the server parses and stores every byte, the
 client SHA-256-signs every payload over plain HTTP), so absolute numbers say little about real S3; the
 comparison between drivers on the same machine is the point.
@@ -93,6 +93,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--part-mib", type=int, nargs="+", default=[8, 64])
+    parser.add_argument(
+        "--range-mib", type=int, nargs="+", default=[0, 16], help="ranged GET sizes for loads (0: the automatic size)"
+    )
+    parser.add_argument("--skip-upload", action="store_true", help="only the load comparison")
     args = parser.parse_args()
 
     server = MotoProcess().start()
@@ -119,8 +123,11 @@ def main() -> None:
         print("| upload | part size | window | wall s | MiB/s | client CPU s | server CPU s |")
         print("|---|---|---|---|---|---|---|")
         fs.pipe_file(f"{env.bucket}/bench/warmup.bin", data[:MiB])  # build the client
-        baseline = Timing(lambda: fs.pipe_file(f"{env.bucket}/{key}", data), args.repeats, clean)
-        print(f"| s3fs pipe_file (defaults) | 50 MiB | 1 | {baseline.row(args.size_mib)} |")
+        if args.skip_upload:
+            args.part_mib = []
+        if args.part_mib:
+            baseline = Timing(lambda: fs.pipe_file(f"{env.bucket}/{key}", data), args.repeats, clean)
+            print(f"| s3fs pipe_file (defaults) | 50 MiB | 1 | {baseline.row(args.size_mib)} |")
         # Build the clients and run each multipart call once (botocore loads them lazily); every writer below has
         # the same storage options, so they all share these cached file systems.
         for _ in range(2):
@@ -138,9 +145,11 @@ def main() -> None:
         buffer = io.BytesIO()
         torch.save({"state_dict": {"w": torch.randn(size // 4)}}, buffer)
         ckpt_key, ckpt_path = "bench/model.ckpt", env.url("bench/model.ckpt")
-        env.put(ckpt_key, buffer.getvalue())
+        checkpoint_bytes = buffer.getvalue()
+        env.put(ckpt_key, checkpoint_bytes)
         env.put("bench/warmup.bin", b"w" * MiB)
         del buffer
+        mib = round(len(checkpoint_bytes) / MiB)
         print()
         print("| load | window (range size) | wall s | MiB/s | client CPU s | server CPU s |")
         print("|---|---|---|---|---|---|")
@@ -149,20 +158,18 @@ def main() -> None:
             with fs.open(f"{env.bucket}/{ckpt_key}", "rb") as stream:
                 torch.load(stream, weights_only=True)
 
-        print(
-            f"| torch.load(fs.open(path, 'rb')) | - | {Timing(plain, args.repeats, lambda: None).row(args.size_mib)} |"
-        )
+        print(f"| torch.load(fs.open(path, 'rb')) | - | {Timing(plain, args.repeats, lambda: None).row(mib)} |")
         warm = S3Writer(env.storage_options)
         warm.exists(ckpt_path)  # the metadata client
         warm.read_bytes(env.url("bench/warmup.bin"))
         for window in args.concurrency:
-            writer = S3Writer(env.storage_options, max_concurrent_parts=window)
-            ranges = f"{window} ({writer.read_range_bytes(size) // MiB} MiB)"
-            load = functools.partial(load_checkpoint, writer, ckpt_path, weights_only=True)
-            full = Timing(load, args.repeats, lambda: None)
-            raw = Timing(functools.partial(writer.read_bytes, ckpt_path), args.repeats, lambda: None)
-            print(f"| reader fast path: read_bytes + torch.load in place | {ranges} | {full.row(args.size_mib)} |")
-            print(f"| read_bytes alone | {ranges} | {raw.row(args.size_mib)} |")
+            for range_mib in args.range_mib:
+                range_bytes = range_mib * MiB if range_mib else None
+                writer = S3Writer(env.storage_options, max_concurrent_parts=window, read_range_bytes=range_bytes)
+                ranges = f"{window} ({writer.range_bytes_for(len(checkpoint_bytes)) / MiB:.0f} MiB)"
+                load = functools.partial(load_checkpoint, writer, ckpt_path, weights_only=True)
+                full = Timing(load, args.repeats, lambda: None)
+                print(f"| DataStatesIO load (ranged GETs, memfd, mapped) | {ranges} | {full.row(mib)} |")
     finally:
         server.kill()
 

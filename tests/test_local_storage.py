@@ -58,6 +58,13 @@ def _local_harness(tmp_path: Path) -> Harness:
     return Harness(LocalWriter(), lambda name: str(root / name), read, put, leftovers)
 
 
+def _local_direct_harness(tmp_path: Path) -> Harness:
+    """The POSIX writer with direct I/O asked for (O_DIRECT where the file system takes it, else buffered)."""
+    local = _local_harness(tmp_path)
+    local.writer = LocalWriter(direct_io=True)
+    return local
+
+
 def _memory_harness(tmp_path: Path) -> Harness:
     """fsspec's in-memory file system through the generic writer (a stand-in for gcs://, az://, ...)."""
     import fsspec
@@ -100,7 +107,12 @@ def _s3_harness(tmp_path: Path) -> Harness:
     )
 
 
-HARNESSES = {"local": _local_harness, "memory": _memory_harness, "s3": _s3_harness}
+HARNESSES = {
+    "local": _local_harness,
+    "local-direct": _local_direct_harness,
+    "memory": _memory_harness,
+    "s3": _s3_harness,
+}
 
 
 @pytest.fixture(params=list(HARNESSES))

@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_datastates import CheckpointFlushError, DataStatesIO
 from lightning_datastates.errors import ConfigError
-from lightning_datastates.reader import BufferReader
+from lightning_datastates.reader import BufferReader, fetch_into_memfd, load_checkpoint
 from lightning_datastates.storage import writer_for
 from lightning_datastates.storage.s3 import (
     MAX_PART_BYTES,
@@ -207,12 +207,38 @@ def test_read_bytes_fetches_ranges_concurrently_and_bit_exact(s3):
     data = os.urandom(3 * 8 * MiB + 123)
     s3.put("big.bin", data)
     writer = _writer(s3, max_concurrent_parts=3)
-    assert writer.read_range_bytes(len(data)) == 8 * MiB  # four ranges
+    assert writer.range_bytes_for(len(data)) == math.ceil(len(data) / 3)  # the window filled once
+    assert writer.range_bytes_for(1000) == 8 * MiB  # never below 8 MiB
     assert bytes(writer.read_bytes(s3.url("big.bin"))) == data
+    fixed = _writer(s3, max_concurrent_parts=2, read_range_bytes="5MiB")
+    assert fixed.range_bytes_for(len(data)) == 5 * MiB  # five ranges, two at a time
+    assert bytes(fixed.read_bytes(s3.url("big.bin"))) == data
     s3.put("empty.bin", b"")
     assert writer.read_bytes(s3.url("empty.bin")) == bytearray()
     with pytest.raises(FileNotFoundError):
         writer.read_bytes(s3.url("missing.bin"))
+
+
+def test_load_goes_through_an_in_memory_file_mapped_by_torch_and_honors_map_location(s3):
+    checkpoint = {"state_dict": {"w": torch.randn(3 * MiB), "b": torch.arange(7)}, "epoch": 2}
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    s3.put("run/plain.ckpt", buffer.getvalue())  # a plain torch.save file: CRC-32s present
+    writer = _writer(s3, max_concurrent_parts=4, read_range_bytes="5MiB")
+    fd = fetch_into_memfd(writer, s3.url("run/plain.ckpt"))
+    try:
+        assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:datastates-load")
+        assert os.fstat(fd).st_size == len(buffer.getvalue())
+        assert os.pread(fd, len(buffer.getvalue()), 0) == buffer.getvalue()
+    finally:
+        os.close(fd)
+    loaded = load_checkpoint(writer, s3.url("run/plain.ckpt"), weights_only=True)
+    assert_bit_equal(loaded, checkpoint)
+    loaded["state_dict"]["w"].add_(1)  # copy-on-write: writable, and the object is untouched
+    meta = load_checkpoint(writer, s3.url("run/plain.ckpt"), map_location="meta", weights_only=True)
+    assert meta["state_dict"]["w"].device.type == "meta" and meta["epoch"] == 2
+    with pytest.raises(FileNotFoundError):
+        load_checkpoint(writer, s3.url("run/missing.ckpt"))
 
 
 def test_buffer_reader_reads_seeks_and_loads_without_copying_the_buffer():
@@ -350,3 +376,107 @@ def test_server_killed_mid_upload_fails_loudly_and_the_plugin_recovers(moto_proc
     plugin.raise_pending_failure()
     assert_bit_equal(plugin.load_checkpoint(path, weights_only=True), small)
     assert env.open_uploads() == []
+
+
+def test_server_stalled_mid_upload_fails_within_seconds_and_the_previous_checkpoint_stays_whole(
+    moto_process, no_thread_escapes
+):
+    """A server that stops answering (SIGSTOP) mid-upload of a checkpoint that *replaces* an earlier one: the
+    failure reaches the training thread within the bounded timeouts, nothing partial is ever visible, the earlier
+    object is intact, and no multipart upload is left open once the server answers again. (A SIGKILLed moto loses
+    every object, so "the previous checkpoint is intact" is checked here, with a server that survives.)"""
+    server = moto_process.start()
+    env = fresh_bucket(server.endpoint, reset=False)
+    options = {**env.storage_options, "part_size_bytes": "5MiB", "max_concurrent_parts": 1, "retries": 1}
+    plugin = in_background(DataStatesIO(storage_options={**options, "timeout_s": 2}))
+    path = env.url("run/model.ckpt")
+    earlier = {"state_dict": {"w": torch.randn(3 * MiB)}, "step": 1}  # 12 MiB: three parts
+    plugin.save_checkpoint(earlier, path)
+    plugin.drain()
+    plugin.raise_pending_failure()
+    earlier_bytes = env.read("run/model.ckpt")
+    plugin.save_checkpoint({"state_dict": {"w": torch.randn(32 * MiB)}, "step": 2}, path)  # 128 MiB, one part at a time
+    deadline = time.monotonic() + 30
+    while _parts_received(env, "run/model.ckpt") == 0:
+        assert time.monotonic() < deadline and plugin.is_pending(path)
+        time.sleep(0.01)
+    server.pause()
+    stalled = time.monotonic()
+    failure = None
+    try:
+        while failure is None:
+            assert time.monotonic() - stalled < 30, "the failure did not reach the training thread within 30 s"
+            try:
+                plugin.raise_pending_failure()
+            except CheckpointFlushError as exc:
+                failure = exc
+            time.sleep(0.05)
+    finally:
+        server.resume()
+    delay_s = time.monotonic() - stalled
+    assert failure.path == path and "no answer within timeout_s" in str(failure.__cause__)
+    assert delay_s < 20  # 2 s per attempt, 2 attempts per request: the part, then the abort
+    plugin.drain()
+    assert env.read("run/model.ckpt") == earlier_bytes  # the earlier checkpoint, whole; nothing partial
+    assert_bit_equal(plugin.load_checkpoint(path, weights_only=True), earlier)
+    # The abort was sent while the server slept; if it was lost, the next run's clean-up (here: now) aborts it.
+    plugin.clean_stale("s3://bucket/run")
+    assert env.open_uploads() == []
+    assert [k for k in env.keys("run/") if k != "run/model.ckpt"] == []  # the upload marker went with it
+    plugin.teardown()
+
+
+def test_many_lazy_checkpoints_with_removals_keep_exactly_the_survivors_bit_exact(s3, no_thread_escapes):
+    options = {**s3.storage_options, "part_size_bytes": "5MiB", "max_concurrent_parts": 4}
+    plugin = in_background(DataStatesIO(storage_options=options, chunk_size="1MiB"), lazy=True)
+    expected = {}
+    weights = torch.randn(3 * MiB)
+    for step in range(24):
+        size = (step % 3) * 1536 * 1024 + 1000  # 4 KB to 12 MiB: single-put and multipart objects
+        checkpoint = {"state_dict": {"w": weights[:size], "b": torch.full((5,), step)}, "step": step}
+        expected[step] = {"state_dict": {"w": weights[:size].clone(), "b": torch.full((5,), step)}, "step": step}
+        plugin.save_checkpoint(checkpoint, s3.url(f"run/step={step:02d}.ckpt"))
+        plugin.barrier()  # as the callback does before the optimizer step: copies done, training may mutate
+        weights.add_(1)  # the optimizer step: the files must not see it
+        if step >= 3:
+            plugin.remove_checkpoint(s3.url(f"run/step={step - 3:02d}.ckpt"))  # keep the last three
+    plugin.drain()
+    plugin.raise_pending_failure()
+    assert s3.keys("run/") == [f"run/step={step}.ckpt" for step in (21, 22, 23)]
+    for step in (21, 22, 23):
+        assert_bit_equal(plugin.load_checkpoint(s3.url(f"run/step={step}.ckpt"), weights_only=True), expected[step])
+    plugin.teardown()
+
+
+def test_whole_parts_go_up_from_the_callers_memory_before_write_range_returns(moto_process):
+    """A range holding whole parts is sent from the caller's buffer (no copy of the parts is made) and
+    ``write_range`` returns only once those parts are stored: the caller may then reuse its buffer at once.
+
+    The server runs in its own process, so what is allocated here is the client's: measured 0.63 part in all
+    (botocore reads a file body in pieces), against 4.4 parts when the driver copied each part before sending it.
+    """
+    import tracemalloc
+
+    server = moto_process.start()
+    s3 = fresh_bucket(server.endpoint, reset=False)
+    writer = _writer(s3, max_concurrent_parts=4)
+    data = bytearray(os.urandom(4 * P + 1000))
+    expected = bytes(data)
+    session = writer.begin(s3.url("run/zero-copy.ckpt"), len(data))
+    view = memoryview(data)
+    writer.exists(s3.url("run/other"))  # warm the clients: their first use allocates
+    tracemalloc.start()
+    try:
+        session.write_range(0, view[: 4 * P])  # four whole parts
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * P, f"{peak} bytes allocated while sending 4 parts of {P}: the parts were copied"
+    upload = s3.client.list_multipart_uploads(Bucket=s3.bucket)["Uploads"][0]
+    parts = s3.client.list_parts(Bucket=s3.bucket, Key="run/zero-copy.ckpt", UploadId=upload["UploadId"])["Parts"]
+    assert [p["PartNumber"] for p in parts] == [1, 2, 3, 4]  # stored before write_range returned
+    data[: 4 * P] = bytes(4 * P)  # the caller reuses its buffer
+    session.write_range(4 * P, view[4 * P :])  # the short last part
+    session.complete()
+    assert s3.read("run/zero-copy.ckpt") == expected
+    assert s3.open_uploads() == []

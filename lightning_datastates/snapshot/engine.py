@@ -30,7 +30,13 @@ import torch
 from lightning_datastates.checksums import checksummed
 from lightning_datastates.config import DataStatesConfig
 from lightning_datastates.errors import CheckpointCaptureError
-from lightning_datastates.layout import CheckpointLayout, StorageRecord, plan_layout, plan_serialized_layout
+from lightning_datastates.layout import (
+    CheckpointLayout,
+    StorageRecord,
+    plan_layout,
+    plan_serialized_layout,
+    storage_alignment,
+)
 from lightning_datastates.snapshot.arena import HostArena
 from lightning_datastates.snapshot.chunks import Chunk, plan_chunks
 from lightning_datastates.snapshot.copier import CopierSet
@@ -296,11 +302,12 @@ class SnapshotEngine:
     def _plan(self, checkpoint: dict[str, Any]) -> tuple[CheckpointLayout, list[torch.UntypedStorage]]:
         """The out-of-order layout; failing that, the checkpoint serialized by a plain ``torch.save`` now."""
         try:
-            return plan_layout(checkpoint)
+            return plan_layout(checkpoint, self.config.storage_alignment)
         except Exception as reason:  # noqa: BLE001 - LayoutUnsupported, skip_data refused, or an object that cannot be pickled
             buffer = io.BytesIO()
             try:
-                torch.save(checkpoint, buffer)
+                with storage_alignment(self.config.storage_alignment):
+                    torch.save(checkpoint, buffer)
             except Exception as exc:
                 raise CheckpointCaptureError(
                     f"the checkpoint cannot be pickled: {exc!r}. Every value in the checkpoint dict "

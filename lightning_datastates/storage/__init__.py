@@ -11,16 +11,16 @@ from lightning_datastates.storage.local import LocalWriter, is_local_path, local
 __all__ = ["GenericWriter", "LocalWriter", "StorageWriter", "WriteSession", "is_local_path", "local_path", "writer_for"]
 
 
-def writer_for(path: str, storage_options: dict[str, Any] | None = None) -> StorageWriter:
+def writer_for(path: str, storage_options: dict[str, Any] | None = None, direct_io: bool = False) -> StorageWriter:
     """The storage writer for ``path``'s protocol: POSIX for local paths, our multipart driver for ``s3://`` and
     ``s3a://`` (``storage_options`` may also hold its settings, see :data:`~lightning_datastates.storage.s3.TUNABLES`),
-    fsspec for any other protocol.
+    fsspec for any other protocol. ``direct_io`` asks local writes to use ``O_DIRECT`` (see :class:`LocalWriter`).
 
     Raises:
         ValueError: the protocol is unknown to fsspec, or s3fs is missing (the message names the package to install).
     """
     if is_local_path(path):
-        return LocalWriter()
+        return LocalWriter(direct_io=direct_io)
     protocol = protocol_of(path)
     assert protocol is not None
     if protocol in ("s3", "s3a"):

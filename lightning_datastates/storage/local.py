@@ -5,6 +5,13 @@ and, on Lustre, the file inherits the directory's striping), ``fsync`` it, ``os.
 name, ``fsync`` the directory so the rename itself survives a power loss. Ranges are written with
 ``os.pwrite`` from several threads at once.
 
+Direct I/O (``LocalWriter(direct_io=True)``, set by ``DataStatesIO(storage_alignment=...)``): the temporary file is
+opened a second time with ``O_DIRECT``, and the whole aligned blocks of every range are written through that
+descriptor, bypassing the page cache (from the host arena when its memory is aligned, through a small aligned bounce
+buffer otherwise); the unaligned head and tail of a range and the metadata go through the buffered descriptor. Where
+the file system refuses ``O_DIRECT`` (at open or at the first write) a warning is logged once per directory and
+everything goes through the page cache. The commit is the same either way.
+
 Temporary files are named ``.<name>.<host>.<pid>.<token>.datastates-tmp``: hidden, never matching
 ``*.ckpt``, and telling :meth:`LocalWriter.clean_stale` which process left them.
 """
@@ -12,7 +19,10 @@ Temporary files are named ``.<name>.<host>.<pid>.<token>.datastates-tmp``: hidde
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import logging
+import mmap
 import os
 import re
 import shutil
@@ -29,6 +39,16 @@ TEMP_SUFFIX = ".datastates-tmp"
 _TEMP_PATTERN = re.compile(
     r"^\.(?P<name>.+)\.(?P<host>[^.]+)\.(?P<pid>\d+)\.(?P<token>[0-9a-f]{8})" + re.escape(TEMP_SUFFIX) + "$"
 )
+log = logging.getLogger("lightning_datastates")
+
+#: Offsets, lengths and memory addresses of direct writes are multiples of this (the page size; every common
+#: device's logical block size divides it).
+DIRECT_IO_ALIGNMENT = 4096
+#: Size of the per-thread aligned buffer that direct writes from unaligned memory are copied through.
+BOUNCE_BYTES = 8 * 1024**2
+#: Directories already warned about for refusing direct I/O (one warning each per process).
+_DIRECT_IO_WARNED: set[str] = set()
+_BOUNCE = threading.local()
 #: Longest file name most POSIX file systems accept.
 _MAX_NAME_BYTES = 255
 #: A temporary file of another host is only removed once untouched this long by default: its writer may be alive.
@@ -56,13 +76,21 @@ class PositionalFileSession(WriteSession):
     descriptor over exactly once, so a range written after the session ended fails loudly.
     """
 
-    def __init__(self, path: str, fd: int) -> None:
+    def __init__(self, path: str, fd: int, direct_fd: int | None = None) -> None:
         self.path = path
         self._fd: int | None = fd
+        self._direct_fd = direct_fd
+        self._retired_fds: list[int] = []
         self._lock = threading.Lock()
 
+    @property
+    def direct_io(self) -> bool:
+        """Whether whole aligned blocks are (still) written with ``O_DIRECT``."""
+        return self._direct_fd is not None
+
     def write_range(self, offset: int, data: memoryview) -> None:
-        """``pwrite`` all of ``data`` at ``offset`` (retrying short writes).
+        """``pwrite`` all of ``data`` at ``offset`` (retrying short writes); with direct I/O, its whole aligned
+        blocks through the ``O_DIRECT`` descriptor.
 
         Raises:
             OSError: as ``os.pwrite``; a full disk, an exceeded quota or file-size limit say so and name the path.
@@ -70,20 +98,44 @@ class PositionalFileSession(WriteSession):
         fd = self._fd
         if fd is None:
             raise RuntimeError(f"write to {self.path} after its session ended")
+        view = memoryview(data).cast("B")
+        start = -(-offset // DIRECT_IO_ALIGNMENT) * DIRECT_IO_ALIGNMENT
+        stop = (offset + view.nbytes) // DIRECT_IO_ALIGNMENT * DIRECT_IO_ALIGNMENT
+        direct_fd = self._direct_fd
         with out_of_space_named(self.path):
-            write_all(fd, data, offset)
+            if direct_fd is None or stop <= start:
+                write_all(fd, view, offset)
+                return
+            if start > offset:
+                write_all(fd, view[: start - offset], offset)
+            try:
+                _write_direct(direct_fd, view[start - offset : stop - offset], start)
+            except OSError as exc:
+                if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                    raise
+                _warn_no_direct_io(os.path.dirname(self.path) or ".", exc)
+                self._direct_fd = None  # other threads may still use the descriptor: closed with the session
+                self._retired_fds.append(direct_fd)
+                write_all(fd, view[start - offset : stop - offset], start)
+            if stop < offset + view.nbytes:
+                write_all(fd, view[stop - offset :], stop)
 
     def _take_fd(self) -> int | None:
-        """The open descriptor, or None if already taken (call with ``_lock`` held)."""
+        """The open descriptor, or None if already taken (call with ``_lock`` held); closes the direct one."""
         fd, self._fd = self._fd, None
+        direct_fd, self._direct_fd = self._direct_fd, None
+        for extra in [direct_fd, *self._retired_fds]:
+            if extra is not None:
+                os.close(extra)
+        self._retired_fds.clear()
         return fd
 
 
 class LocalWriteSession(PositionalFileSession):
     """A checkpoint being written to a temporary file beside its final name."""
 
-    def __init__(self, path: str, temp_path: str, fd: int) -> None:
-        super().__init__(path, fd)
+    def __init__(self, path: str, temp_path: str, fd: int, direct_fd: int | None = None) -> None:
+        super().__init__(path, fd, direct_fd)
         self.temp_path = temp_path
 
     def complete(self) -> None:
@@ -122,7 +174,17 @@ class LocalWriteSession(PositionalFileSession):
 
 
 class LocalWriter(StorageWriter):
-    """Writes checkpoints to a POSIX file system; see the module docstring."""
+    """Writes checkpoints to a POSIX file system; see the module docstring.
+
+    Args:
+        direct_io: write whole aligned blocks with ``O_DIRECT`` where the file system allows it (default False).
+    """
+
+    #: A class default too: subclasses with their own ``__init__`` need not call this one.
+    direct_io: bool = False
+
+    def __init__(self, direct_io: bool = False) -> None:
+        self.direct_io = direct_io
 
     def begin(self, path: str, total_bytes: int) -> LocalWriteSession:
         """Create the directory if needed and open a fresh temporary file beside ``path``."""
@@ -141,7 +203,8 @@ class LocalWriter(StorageWriter):
         with _unwritable_directory_named(directory):
             os.makedirs(directory, exist_ok=True)
             fd = os.open(temp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-        return LocalWriteSession(path, temp_path, fd)
+        direct_fd = _open_direct(temp_path, directory) if self.direct_io else None
+        return LocalWriteSession(path, temp_path, fd, direct_fd)
 
     def exists(self, path: str) -> bool:
         """Whether ``path`` exists."""
@@ -242,6 +305,64 @@ def write_all(fd: int, data: memoryview, offset: int) -> None:
         written = os.pwrite(fd, view, offset)
         view = view[written:]
         offset += written
+
+
+def _open_direct(temp_path: str, directory: str) -> int | None:
+    """A second, ``O_DIRECT`` descriptor of the new temporary file; None (warned once) if refused."""
+    flag = getattr(os, "O_DIRECT", None)
+    if flag is None:
+        _warn_no_direct_io(directory, OSError(errno.EOPNOTSUPP, "O_DIRECT does not exist on this platform"))
+        return None
+    try:
+        return os.open(temp_path, os.O_WRONLY | flag | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+        _warn_no_direct_io(directory, exc)
+        return None
+
+
+def _warn_no_direct_io(directory: str, exc: OSError) -> None:
+    if directory in _DIRECT_IO_WARNED:
+        return
+    _DIRECT_IO_WARNED.add(directory)
+    log.warning(
+        "lightning_datastates: the file system of %s refuses direct I/O (O_DIRECT: %s); checkpoints there are "
+        "written through the page cache instead (still fsynced and atomic). storage_alignment=None silences this.",
+        directory,
+        exc.strerror or exc,
+    )
+
+
+def _address(view: memoryview) -> int | None:
+    """The memory address of a writable ``view``'s first byte; None for read-only memory."""
+    if view.readonly or not view.nbytes:
+        return None
+    holder = ctypes.c_char.from_buffer(view)
+    try:
+        return ctypes.addressof(holder)
+    finally:
+        del holder
+
+
+def _write_direct(fd: int, view: memoryview, offset: int) -> None:
+    """Write ``view`` (a whole number of aligned blocks) at the aligned ``offset`` through an ``O_DIRECT``
+    descriptor: straight from ``view`` when its address is aligned, else through this thread's bounce buffer."""
+    address = _address(view)
+    if address is not None and address % DIRECT_IO_ALIGNMENT == 0:
+        write_all(fd, view, offset)
+        return
+    bounce = getattr(_BOUNCE, "buffer", None)
+    if bounce is None:
+        bounce = _BOUNCE.buffer = mmap.mmap(-1, BOUNCE_BYTES)  # anonymous mappings are page-aligned
+    target = memoryview(bounce)
+    try:
+        for start in range(0, view.nbytes, BOUNCE_BYTES):
+            piece = view[start : start + BOUNCE_BYTES]
+            target[: piece.nbytes] = piece
+            write_all(fd, target[: piece.nbytes], offset + start)
+    finally:
+        target.release()
 
 
 def _pid_alive(pid: int) -> bool:

@@ -1,11 +1,13 @@
 """S3 writer: our own multipart driver on s3fs's async client.
 
 Commit protocol: ``begin`` creates a multipart upload; the file is cut into parts of fixed byte ranges
-``[i*P, (i+1)*P)``; ``write_range`` (any order, several threads) copies the bytes it gets into per-part pieces and,
-the moment a part has all its bytes, schedules its ``upload_part`` on s3fs's event loop, at most
-``max_concurrent_parts`` at a time; ``complete`` waits for every part and sends ``CompleteMultipartUpload`` with
-the ETags in part order. S3 shows nothing under the key before that call and the whole object after it, so it is
-the commit. ``abort`` (and any failure) sends ``AbortMultipartUpload``: an open upload is invisible but billed.
+``[i*P, (i+1)*P)``; ``write_range`` (any order, several threads) uploads every part its range holds whole straight
+from the caller's memory (the host arena: no copy) and returns once those parts are stored; the bytes of parts it
+covers only in part are copied into per-part pieces, and the moment such a part has all its bytes its
+``upload_part`` is scheduled. Part uploads run on s3fs's event loop, at most ``max_concurrent_parts`` at a time;
+``complete`` waits for every part and sends ``CompleteMultipartUpload`` with the ETags in part order. S3 shows
+nothing under the key before that call and the whole object after it, so it is the commit. ``abort`` (and any
+failure) sends ``AbortMultipartUpload``: an open upload is invisible but billed.
 A file of at most one part (an empty one too) is sent as one ``PutObject`` at ``complete`` instead.
 
 Leftovers: S3 lists open multipart uploads with neither host nor process, so each upload gets a small hidden
@@ -19,9 +21,11 @@ when the block raises, and so does a garbage-collected file; its parts go one at
 ``bytes`` and fixed 50 MiB parts. Retries and timeouts are ours: the file system used for data has s3fs's and
 botocore's retries turned off, so ``retries=1`` means one retry, not 1 x 5 x 5.
 
-Memory: a session holds only bytes received and not yet uploaded, plus the bodies of the parts being sent; a
-part's body is assembled when its last byte arrives. ``write_range`` waits (back-pressure) while more than
-``2 * max_concurrent_parts`` complete parts are queued for upload; it never waits for incomplete parts.
+Memory: a session holds only copies of partly received parts not yet uploaded, plus the bodies of the parts being
+sent; a part's body is assembled when its last byte arrives. Whole parts are read from the caller's buffer in place,
+which the caller keeps until ``write_range`` returns (the engine frees an arena block only then). ``write_range``
+also waits (back-pressure) while more than ``2 * max_concurrent_parts`` complete parts are queued for upload; it
+never waits for incomplete parts.
 
 s3fs is imported when an :class:`S3Writer` is built, so this module imports without it.
 """
@@ -50,6 +54,7 @@ from lightning_datastates.errors import ConfigError
 from lightning_datastates.storage.base import DEFAULT_STALE_AGE_S, StorageWriter, WriteSession
 from lightning_datastates.storage.generic import FSSPEC_KEYS, declared_options, reject_unknown_options
 from lightning_datastates.storage.local import _host_tag, _pid_alive
+from lightning_datastates.streams import PositionedReader
 
 log = logging.getLogger("lightning_datastates")
 
@@ -74,7 +79,9 @@ _ERROR_HINTS = {
     "SignatureDoesNotMatch": "check the credentials (storage_options key/secret or the AWS_* variables)",
 }
 #: Settings of the writer itself, accepted in ``storage_options`` beside the s3fs options.
-TUNABLES = ("part_size_bytes", "max_concurrent_parts", "retries", "timeout_s")
+TUNABLES = ("part_size_bytes", "max_concurrent_parts", "retries", "timeout_s", "read_range_bytes")
+#: Largest ranged GET :meth:`S3Writer.range_bytes_for` picks by itself (``read_range_bytes`` unset).
+MAX_AUTO_RANGE_BYTES = 256 * MiB
 #: s3fs options that would break the synchronous driver.
 _REJECTED_KEYS = {"asynchronous", "loop"}
 _BACKOFF_S = 0.2
@@ -195,10 +202,12 @@ class S3WriteSession(WriteSession):
 
     # ------------------------------------------------------------------ writer threads
     def write_range(self, offset: int, data: memoryview) -> None:
-        """Copy ``data`` into the pieces of the parts it covers; schedule every part it completes.
+        """Upload every part that ``data`` holds whole straight from ``data`` (no copy) and return once they are
+        stored; copy the bytes of parts it covers only in part into their pieces, and schedule every part those
+        complete.
 
         Raises:
-            S3WriteError: an earlier part upload failed (naming the path).
+            S3WriteError: a part upload failed (naming the path and the part).
             RuntimeError: the session already ended.
             ValueError: the range lies outside the file or overlaps bytes already written.
         """
@@ -209,23 +218,37 @@ class S3WriteSession(WriteSession):
         self._wait_for_room()
         part_bytes = self.plan.part_bytes
         position = offset
-        ready: list[tuple[int, list[tuple[int, bytes]]]] = []
+        ready: list[tuple[int, bytes | bytearray | memoryview]] = []
+        borrowed: list[int] = []  # parts sent from the caller's memory: waited for before returning
         while position < end:
             index = position // part_bytes
             stop = min(end, (index + 1) * part_bytes)
-            piece = bytes(view[position - offset : stop - offset])  # a copy: the caller reuses its buffer at once
+            length = self.plan.length(index)
+            whole = position == index * part_bytes and stop - position == length and self.plan.multipart
+            # A partial piece is copied: the caller reuses its buffer as soon as this returns.
+            piece = view[position - offset : stop - offset] if whole else bytes(view[position - offset : stop - offset])
             with self._cond:
                 self._check_open()
-                self._pieces.setdefault(index, []).append((position - index * part_bytes, piece))
                 self._received[index] += len(piece)
-                length = self.plan.length(index)
                 if self._received[index] > length:
                     raise ValueError(f"{self.path}: overlapping writes in part {index + 1}")
-                if self._received[index] == length and self.plan.multipart:
-                    ready.append((index, self._pieces.pop(index)))
+                if whole:
+                    ready.append((index, piece))
+                    borrowed.append(index)
+                else:
+                    self._pieces.setdefault(index, []).append((position - index * part_bytes, piece))  # type: ignore[arg-type]
+                    if self._received[index] == length and self.plan.multipart:
+                        ready.append((index, _assemble(length, self._pieces.pop(index))))
             position = stop
-        for index, pieces in ready:
-            self._schedule(index, _assemble(self.plan.length(index), pieces))
+        for index, body in ready:
+            self._schedule(index, body)
+        if borrowed:
+            with self._cond:
+                futures = [self._futures[i] for i in borrowed if i in self._futures]
+            concurrent.futures.wait(futures)  # bounded: every attempt has a timeout; abort cancels them
+            with self._cond:
+                self._raise_part_error()
+                self._check_open()
 
     def _wait_for_room(self) -> None:
         """Back-pressure: wait while too many complete parts are queued (those always finish, by timeouts)."""
@@ -236,7 +259,7 @@ class S3WriteSession(WriteSession):
             self._raise_part_error()
             self._check_open()
 
-    def _schedule(self, index: int, body: bytes | bytearray) -> None:
+    def _schedule(self, index: int, body: bytes | bytearray | memoryview) -> None:
         with self._cond:
             if self._state == _ABORTED:
                 return  # aborted meanwhile: the part would only be refused
@@ -248,7 +271,7 @@ class S3WriteSession(WriteSession):
         future.add_done_callback(lambda done: self._part_done(index, done))
 
     # ------------------------------------------------------------------ event loop
-    async def _upload_part(self, index: int, body: bytes | bytearray, upload_id: str | None) -> str | None:
+    async def _upload_part(self, index: int, body: bytes | bytearray | memoryview, upload_id: str | None) -> str | None:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
@@ -265,7 +288,9 @@ class S3WriteSession(WriteSession):
                         Key=self.key,
                         UploadId=upload_id,
                         PartNumber=number,
-                        Body=body,
+                        # botocore takes bytes or a file, not a memoryview: a reader over the caller's memory, new
+                        # for every attempt (a retry reads from the start).
+                        Body=ViewReader(body) if isinstance(body, memoryview) else body,
                     ),
                 )
                 return str(response["ETag"])
@@ -418,6 +443,22 @@ class S3WriteSession(WriteSession):
             raise S3WriteError(str(self._error)) from self._error
 
 
+class ViewReader(PositionedReader):
+    """A seekable binary file reading a memoryview in place (a part's body sent from the host arena)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self._view = view
+        super().__init__(view.nbytes)
+
+    def readinto(self, target: Any) -> int:
+        """Copy up to ``len(target)`` bytes from the current position into ``target``."""
+        out = memoryview(target).cast("B")
+        count = max(0, min(out.nbytes, self._size - self._position))
+        out[:count] = self._view[self._position : self._position + count]
+        self._position += count
+        return count
+
+
 def _assemble(length: int, pieces: list[tuple[int, bytes]]) -> bytes | bytearray:
     """A part's body from its pieces (no copy when one piece is the whole part)."""
     if len(pieces) == 1 and len(pieces[0][1]) == length:
@@ -481,6 +522,8 @@ class S3Writer(StorageWriter):
         max_concurrent_parts: parts uploaded (or ranges read) at once per checkpoint (default 8).
         retries: retries of each request after its first attempt, with exponential backoff (default 3).
         timeout_s: limit of one attempt of one request (default 120 s).
+        read_range_bytes: bytes per ranged GET when loading (int or ``"64MiB"``); default None: the object split
+            evenly over ``max_concurrent_parts`` ranges, each at least 8 MiB and at most 256 MiB.
     """
 
     def __init__(
@@ -491,8 +534,10 @@ class S3Writer(StorageWriter):
         max_concurrent_parts: int = 8,
         retries: int = 3,
         timeout_s: float = 120.0,
+        read_range_bytes: Size | None = None,
     ) -> None:
         self.part_size_bytes = parse_size(part_size_bytes, "part_size_bytes")
+        self.read_range_bytes = None if read_range_bytes is None else parse_size(read_range_bytes, "read_range_bytes")
         self.max_concurrent_parts = _check_int(max_concurrent_parts, "max_concurrent_parts", 1, 1000)
         self.retries = _check_int(retries, "retries", 0, 100)
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
@@ -667,10 +712,28 @@ class S3Writer(StorageWriter):
 
     # ------------------------------------------------------------------ fast load
     def read_bytes(self, path: str) -> bytearray:
-        """The whole object at ``path``, fetched as concurrent ranged GETs (``max_concurrent_parts`` at once).
+        """The whole object at ``path`` in a new ``bytearray`` (concurrent ranged GETs, see :meth:`read_into`).
+
+        Raises:
+            S3NotFoundError: nothing at ``path`` (a ``FileNotFoundError``).
+            S3WriteError: a request failed (after retries).
+        """
+        buffers: list[bytearray] = []
+
+        def allocate(size: int) -> memoryview:
+            buffers[:] = [bytearray(size)]
+            return memoryview(buffers[0])
+
+        self.read_into(path, allocate)
+        return buffers[0]
+
+    def read_into(self, path: str, allocate: Callable[[int], memoryview]) -> int:
+        """Fetch the whole object at ``path`` into ``allocate(size)`` (a writable byte view of exactly ``size``
+        bytes) with concurrent ranged GETs, ``max_concurrent_parts`` at once, of :meth:`range_bytes_for` bytes each;
+        return the size.
 
         Every range is read with ``If-Match`` on the ETag seen first, so an object replaced meanwhile is read
-        again instead of coming back torn.
+        again (``allocate`` is called again) instead of coming back torn.
 
         Raises:
             S3NotFoundError: nothing at ``path`` (a ``FileNotFoundError``).
@@ -680,30 +743,32 @@ class S3Writer(StorageWriter):
         for attempt in range(self.retries + 1):
             head = self._run(f"reading {path}", lambda: self._call("head_object", Bucket=bucket, Key=key))
             size, etag = int(head["ContentLength"]), str(head["ETag"])
-            buffer = bytearray(size)
+            target = allocate(size)
             try:
                 self._run(
                     f"reading {path}",
-                    functools.partial(self._read_ranges, path, bucket, key, etag, memoryview(buffer)),
+                    functools.partial(self._read_ranges, path, bucket, key, etag, target),
                     retry=False,  # each range retries on its own
                 )
-                return buffer
+                return size
             except S3WriteError as exc:
                 if _error_code(exc) != "PreconditionFailed" or attempt == self.retries:
                     raise
                 log.info("lightning_datastates: %s changed while it was read; reading it again", path)
         raise AssertionError("unreachable")
 
-    def read_range_bytes(self, size: int) -> int:
-        """Bytes per ranged GET for an object of ``size`` bytes: enough ranges to fill the window, at least 8 MiB,
-        at most one part."""
-        return max(8 * MiB, min(self.part_size_bytes, math.ceil(size / self.max_concurrent_parts)))
+    def range_bytes_for(self, size: int) -> int:
+        """Bytes per ranged GET for an object of ``size`` bytes: the ``read_range_bytes`` setting if given;
+        otherwise enough ranges to fill the window once, at least 8 MiB and at most :data:`MAX_AUTO_RANGE_BYTES`."""
+        if self.read_range_bytes is not None:
+            return self.read_range_bytes
+        return max(8 * MiB, min(MAX_AUTO_RANGE_BYTES, math.ceil(size / self.max_concurrent_parts)))
 
     async def _read_ranges(self, path: str, bucket: str, key: str, etag: str, target: memoryview) -> None:
         size = target.nbytes
         if size == 0:
             return
-        step = self.read_range_bytes(size)
+        step = self.range_bytes_for(size)
         semaphore = asyncio.Semaphore(self.max_concurrent_parts)
 
         async def read_range(start: int, stop: int) -> None:

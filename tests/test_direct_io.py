@@ -1,0 +1,174 @@
+"""storage_alignment: tensors at aligned file offsets, and direct I/O (O_DIRECT) for local writes, with fallback.
+
+The storage contract suite also runs against the direct-I/O writer (the "local-direct" harness of
+tests/test_local_storage.py).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import itertools
+import logging
+import os
+import random
+import threading
+
+import pytest
+import torch
+import torch.utils.serialization
+
+from lightning_datastates import DataStatesIO
+from lightning_datastates.archive import read_archive_index
+from lightning_datastates.errors import ConfigError
+from lightning_datastates.layout import plan_layout
+from lightning_datastates.storage import local as local_module
+from lightning_datastates.storage.local import DIRECT_IO_ALIGNMENT, LocalWriter
+from tests.conftest import assert_bit_equal, in_background
+
+
+def _direct_io_works(directory: str) -> bool:
+    """An independent probe: can a file in ``directory`` be opened with O_DIRECT and written one aligned block?"""
+    path = os.path.join(directory, "probe")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT)
+    except OSError:
+        return False
+    try:
+        import mmap
+
+        block = mmap.mmap(-1, DIRECT_IO_ALIGNMENT)
+        os.pwrite(fd, block, 0)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def _records(path: str):
+    with open(path, "rb") as file:
+        data = file.read()
+    return [r for r in read_archive_index(lambda o, n: data[o : o + n], len(data)) if r.name.split("/")[-2] == "data"]
+
+
+def _checkpoint() -> dict:
+    generator = torch.Generator().manual_seed(0)
+    return {
+        "state_dict": {f"w{i}": torch.randn(1000 * i + 7, generator=generator) for i in range(1, 6)},
+        "big": torch.randn(600_000, generator=generator),
+        "step": torch.tensor(3),
+        "epoch": 2,
+    }
+
+
+def test_storage_alignment_is_validated() -> None:
+    assert DataStatesIO(storage_alignment="4KiB").config.storage_alignment == 4096
+    assert DataStatesIO().config.storage_alignment is None
+    for bad in (3000, 32, "lots", 2**30):
+        with pytest.raises(ConfigError, match="storage_alignment"):
+            DataStatesIO(storage_alignment=bad)
+
+
+def test_plan_aligns_every_record_and_leaves_torchs_setting_as_it_was() -> None:
+    before = torch.utils.serialization.config.save.storage_alignment
+    layout, _ = plan_layout(_checkpoint(), 4096)
+    assert torch.utils.serialization.config.save.storage_alignment == before
+    assert [r.offset % 4096 for r in layout.records if r.nbytes] == [0] * 7
+    unaligned, _ = plan_layout(_checkpoint())
+    assert any(r.offset % 4096 for r in unaligned.records if r.nbytes)  # the default (64) pads less
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_aligned_files_are_plain_torch_files_with_aligned_records(tmp_path, lazy: bool) -> None:
+    path = str(tmp_path / "a.ckpt")
+    plugin = DataStatesIO(storage_alignment=4096, chunk_size="256KiB", eager_copy_size="1KiB")
+    if lazy:
+        in_background(plugin, lazy=True)  # copies in the background, chunk by chunk, as in training
+    checkpoint = _checkpoint()
+    plugin.save_checkpoint(checkpoint, path)
+    plugin.drain()
+    plugin.raise_pending_failure()
+    records = _records(path)
+    assert len(records) == 7 and all(r.data_offset % 4096 == 0 for r in records)
+    assert_bit_equal(torch.load(path, weights_only=True), checkpoint)
+    assert_bit_equal(plugin.load_checkpoint(path, weights_only=True), checkpoint)
+    plugin.teardown()
+
+
+def test_direct_session_writes_aligned_blocks_with_o_direct_from_any_memory(tmp_path) -> None:
+    session = LocalWriter(direct_io=True).begin(str(tmp_path / "d.ckpt"), 0)
+    assert session.direct_io == _direct_io_works(str(tmp_path))
+    if not session.direct_io:
+        session.abort()
+        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    assert fcntl.fcntl(session._direct_fd, fcntl.F_GETFL) & os.O_DIRECT
+    data = os.urandom(3 * 1024**2 + 12345)
+    source = bytearray(b"x" + data)  # offset by one byte: unaligned memory goes through the bounce buffer
+    view = memoryview(source)[1:]
+    rng = random.Random(0)
+    cuts = sorted({0, len(data), *(rng.randrange(len(data)) for _ in range(40))})
+    ranges = list(itertools.pairwise(cuts))
+    rng.shuffle(ranges)
+    threads = [
+        threading.Thread(target=lambda mine: [session.write_range(a, view[a:b]) for a, b in mine], args=(ranges[i::3],))
+        for i in range(3)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    session.write_range(0, memoryview(data)[:10])  # read-only memory, below one block: buffered
+    session.complete()
+    assert (tmp_path / "d.ckpt").read_bytes() == data
+
+
+def test_a_file_system_refusing_o_direct_at_open_falls_back_with_one_warning(tmp_path, monkeypatch, caplog) -> None:
+    real_open = os.open
+
+    def no_direct_open(path, flags, *args):  # a file system without O_DIRECT (as tmpfs before Linux 6.6)
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(local_module.os, "open", no_direct_open)
+    monkeypatch.setattr(local_module, "_DIRECT_IO_WARNED", set())
+    plugin = DataStatesIO(storage_alignment=4096)
+    checkpoint = _checkpoint()
+    with caplog.at_level(logging.WARNING, logger="lightning_datastates"):
+        for name in ("a.ckpt", "b.ckpt"):
+            plugin.save_checkpoint(checkpoint, str(tmp_path / name))
+            plugin.raise_pending_failure()
+    warnings = [r.getMessage() for r in caplog.records if "direct I/O" in r.getMessage()]
+    assert len(warnings) == 1 and str(tmp_path) in warnings[0] and "page cache" in warnings[0]
+    for name in ("a.ckpt", "b.ckpt"):
+        assert_bit_equal(torch.load(str(tmp_path / name), weights_only=True), checkpoint)
+        assert all(r.data_offset % 4096 == 0 for r in _records(str(tmp_path / name)))  # aligned all the same
+    plugin.teardown()
+
+
+def test_a_direct_write_refused_midway_falls_back_to_buffered_writes(tmp_path, monkeypatch, caplog) -> None:
+    session = LocalWriter(direct_io=True).begin(str(tmp_path / "d.ckpt"), 0)
+    if not session.direct_io:
+        session.abort()
+        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    direct_fd = session._direct_fd
+    real_pwrite = os.pwrite
+
+    def refusing_pwrite(fd, data, offset):  # e.g. a device whose logical block is larger than 4096
+        if fd == direct_fd:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(local_module.os, "pwrite", refusing_pwrite)
+    monkeypatch.setattr(local_module, "_DIRECT_IO_WARNED", set())
+    data = os.urandom(5 * 4096 + 100)
+    with caplog.at_level(logging.WARNING, logger="lightning_datastates"):
+        session.write_range(100, memoryview(data)[100:])
+        session.write_range(0, memoryview(data)[:100])
+    assert not session.direct_io and any("direct I/O" in r.getMessage() for r in caplog.records)
+    session.complete()
+    assert (tmp_path / "d.ckpt").read_bytes() == data
+    with pytest.raises(OSError):
+        os.fstat(direct_fd)  # the retired descriptor was closed with the session

@@ -1,0 +1,113 @@
+"""Restore from local files: verified, then mapped by torch through the descriptor that was verified.
+
+S3 loads (ranged GETs into an in-memory file) are tested in tests/test_s3.py and tests/test_integrity.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from lightning_datastates import DataStatesIO
+from lightning_datastates import reader as reader_module
+from lightning_datastates.errors import CheckpointCorruptError
+from lightning_datastates.reader import load_checkpoint
+from lightning_datastates.storage import LocalWriter
+from tests.conftest import assert_bit_equal
+
+
+def _checkpoint(seed: int) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(256, 1024, generator=generator)
+    return {
+        "state_dict": {"w": weight, "view": weight[3:5], "i": torch.arange(10, dtype=torch.int64)},
+        "optimizer_states": [{"state": {0: {"step": torch.tensor(7.0)}}}],
+        "epoch": seed,
+    }
+
+
+def _save(plugin: DataStatesIO, checkpoint: dict, path: str) -> None:
+    plugin.save_checkpoint(checkpoint, path)  # outside fit: returns once committed
+    plugin.raise_pending_failure()
+
+
+@pytest.mark.parametrize("verify", [True, False], ids=["verified", "unverified"])
+def test_round_trip_honors_weights_only_and_map_location(tmp_path, verify: bool) -> None:
+    path = str(tmp_path / "a.ckpt")
+    plugin = DataStatesIO(verify_checksums=verify)
+    checkpoint = _checkpoint(1)
+    _save(plugin, checkpoint, path)
+    loaded = plugin.load_checkpoint(path, weights_only=True)
+    assert_bit_equal(loaded, checkpoint)
+    # Views keep sharing their storage, as with torch.load.
+    assert loaded["state_dict"]["view"].untyped_storage().data_ptr() == loaded["state_dict"]["w"].data_ptr()
+    meta = plugin.load_checkpoint(path, map_location="meta", weights_only=True)
+    assert meta["state_dict"]["w"].device.type == "meta" and meta["epoch"] == 1
+    with pytest.raises(Exception, match="Weights only load failed"):
+        torch.save({"f": _Unsafe()}, str(tmp_path / "unsafe.ckpt"))
+        plugin.load_checkpoint(str(tmp_path / "unsafe.ckpt"), weights_only=True)
+    with pytest.raises(FileNotFoundError, match="missing.ckpt"):
+        plugin.load_checkpoint(str(tmp_path / "missing.ckpt"))
+    plugin.teardown()
+
+
+class _Unsafe:
+    """Not on torch's weights_only allowlist."""
+
+
+def test_a_file_replaced_after_verification_is_not_the_one_loaded(tmp_path, monkeypatch) -> None:
+    """The load maps the descriptor that was verified; renaming another file onto the name meanwhile changes
+    nothing (a load by name would pick up the newcomer, unverified)."""
+    path = str(tmp_path / "a.ckpt")
+    plugin = DataStatesIO()
+    first, second = _checkpoint(1), _checkpoint(2)
+    _save(plugin, first, path)
+    _save(plugin, second, str(tmp_path / "b.ckpt"))
+    verify = reader_module.verify_open_file
+
+    def verify_then_replace(file, name):  # the race, made certain: the name moves right after the check
+        report = verify(file, name)
+        os.replace(str(tmp_path / "b.ckpt"), path)
+        return report
+
+    monkeypatch.setattr(reader_module, "verify_open_file", verify_then_replace)
+    assert_bit_equal(load_checkpoint(LocalWriter(), path), first)
+    monkeypatch.undo()
+    assert_bit_equal(plugin.load_checkpoint(path), second)  # the name now holds the second checkpoint
+    plugin.teardown()
+
+
+def test_loaded_tensors_outlive_the_file_and_writing_them_leaves_the_file_unchanged(tmp_path) -> None:
+    path = str(tmp_path / "a.ckpt")
+    plugin = DataStatesIO()
+    checkpoint = _checkpoint(3)
+    _save(plugin, checkpoint, path)
+    before = open(path, "rb").read()
+    loaded = plugin.load_checkpoint(path)
+    loaded["state_dict"]["w"].mul_(2)  # copy-on-write pages: the file keeps its bytes
+    assert open(path, "rb").read() == before
+    plugin.remove_checkpoint(path)  # top-k removal of a file whose tensors are in use
+    _save(plugin, _checkpoint(4), path)  # and a new file under the same name
+    assert torch.equal(loaded["state_dict"]["w"], checkpoint["state_dict"]["w"] * 2)
+    assert torch.equal(loaded["state_dict"]["i"], checkpoint["state_dict"]["i"])
+    plugin.teardown()
+
+
+def test_a_flipped_byte_in_a_mapped_load_raises_and_the_legacy_format_loads_unverified(tmp_path) -> None:
+    path = str(tmp_path / "a.ckpt")
+    plugin = DataStatesIO()
+    _save(plugin, _checkpoint(5), path)
+    with open(path, "r+b") as file:  # a byte in the middle of the big tensor's data
+        file.seek(os.path.getsize(path) // 2)
+        byte = file.read(1)
+        file.seek(-1, os.SEEK_CUR)
+        file.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(CheckpointCorruptError, match="a.ckpt"):
+        plugin.load_checkpoint(path)
+    legacy = str(tmp_path / "legacy.ckpt")
+    checkpoint = _checkpoint(6)
+    torch.save(checkpoint, legacy, _use_new_zipfile_serialization=False)  # not a zip: read through the file
+    assert_bit_equal(DataStatesIO(verify_checksums=False).load_checkpoint(legacy, weights_only=True), checkpoint)
+    plugin.teardown()
