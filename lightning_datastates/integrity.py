@@ -3,7 +3,8 @@
 Every record (the pickled skeleton ``data.pkl``, each storage ``data/N``, ``byteorder``, ``version``, ...) is read
 where torch will read it and checksummed; a mismatch, or damage to the archive's structure, raises
 :class:`~lightning_datastates.errors.CheckpointCorruptError` naming the file and the record. Records are cut into
-pieces checksummed in parallel threads (``zlib.crc32`` releases the GIL) and the pieces' CRC-32s combined.
+pieces checksummed in parallel threads (:func:`~lightning_datastates.checksums.crc32` releases the GIL) and the
+pieces' CRC-32s combined.
 
 A non-empty record whose recorded CRC-32 is 0 carries no checksum (``torch.save`` with its CRC option off, or
 lightning-datastates 0.1): it is reported as unchecked, not as damaged.
@@ -13,13 +14,12 @@ from __future__ import annotations
 
 import mmap
 import os
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from lightning_datastates.archive import ArchiveFormatError, ArchiveRecord, read_archive_index
-from lightning_datastates.checksums import combine_pieces
+from lightning_datastates.checksums import combine_pieces, crc32
 from lightning_datastates.errors import CheckpointCorruptError
 
 #: Bytes checksummed per task: large enough that scheduling costs nothing, small enough to spread over threads.
@@ -121,7 +121,7 @@ def _checksums(view: memoryview, records: list[ArchiveRecord]) -> list[int]:
             filled += nbytes
 
     def run(task: list[tuple[int, int, int]]) -> list[tuple[int, int, int, int]]:
-        return [(index, start, nbytes, zlib.crc32(view[start : start + nbytes])) for index, start, nbytes in task]
+        return [(index, start, nbytes, crc32(view[start : start + nbytes])) for index, start, nbytes in task]
 
     workers = min(MAX_WORKERS, os.cpu_count() or 1, len(tasks))
     if workers > 1:

@@ -14,6 +14,7 @@ import os
 import random
 import shutil
 import subprocess
+import sys
 import threading
 import zipfile
 import zlib
@@ -23,9 +24,10 @@ from typing import Any
 import pytest
 import torch
 
+import lightning_datastates.checksums as checksums
 from lightning_datastates import CheckpointCorruptError, DataStatesIO
 from lightning_datastates.archive import ArchiveFormatError, read_archive_index
-from lightning_datastates.checksums import ChecksummingSession, combine_pieces, crc32_combine
+from lightning_datastates.checksums import ChecksummingSession, combine_pieces, crc32, crc32_combine
 from lightning_datastates.errors import ConfigError
 from lightning_datastates.integrity import verify_buffer, verify_file
 from lightning_datastates.layout import plan_layout
@@ -85,6 +87,20 @@ def _records(data: bytes) -> list[Any]:
 
 
 # ---------------------------------------------------------------------------------------------------- CRC math
+def test_crc32_equals_zlib_with_isal_and_without(monkeypatch) -> None:
+    rng = random.Random(1)
+    data = rng.randbytes(5 * 1024**2 + 3)
+    view = memoryview(bytearray(data))
+    implementations = [crc32]
+    monkeypatch.setitem(sys.modules, "isal", None)  # as where isal has no wheel: the import fails
+    implementations.append(checksums._fastest_crc32())
+    assert implementations[1] is zlib.crc32
+    for implementation in implementations:
+        for start, stop in ((0, 0), (0, 1), (7, 70_000), (0, len(data)), (1024**2, 4 * 1024**2 + 1)):
+            assert implementation(view[start:stop]) == zlib.crc32(data[start:stop])
+            assert implementation(view[start:stop], 0x1234) == zlib.crc32(data[start:stop], 0x1234)
+
+
 def test_crc32_combine_equals_zlib_on_the_concatenation() -> None:
     rng = random.Random(0)
     for _ in range(300):
