@@ -44,7 +44,9 @@ _UPLOADER_SCRIPT = textwrap.dedent(
         "endpoint_url": endpoint, "key": "testing", "secret": "testing",
         "client_kwargs": {"region_name": "us-east-1"}, "part_size_bytes": "5MiB", "max_concurrent_parts": 1,
     }
-    plugin = DataStatesIO(storage_options=options)  # on its own: each save returns once committed
+    # On its own: each save returns once committed. stale_after_s: moto dates every upload 2010, so by age alone the
+    # other uploader's upload, in the instant before its marker lands, would look abandoned to this one's cleanup.
+    plugin = DataStatesIO(storage_options=options, stale_after_s=1e10)
     i = 0
     while not os.path.exists(stop_file):  # saves until told to stop
         plugin.save_checkpoint({"i": i, "w": torch.full((4 * 2**20,), float(i))}, f"{prefix}-{i}.ckpt")  # 4 parts
