@@ -29,7 +29,7 @@ import torch
 from lightning_datastates.integrity import IntegrityReport, verify_buffer, verify_file, verify_open_file
 from lightning_datastates.storage import LocalWriter, StorageWriter, local_path
 from lightning_datastates.storage.s3 import S3Writer
-from lightning_datastates.streams import PositionedReader
+from lightning_datastates.streams import BufferReader
 
 log = logging.getLogger("lightning_datastates")
 
@@ -162,24 +162,3 @@ def _note_unchecked(report: IntegrityReport) -> None:
             len(report.unchecked),
             report.path,
         )
-
-
-class BufferReader(PositionedReader):
-    """A seekable binary reader over a buffer without copying it (``io.BytesIO`` copies a bytearray)."""
-
-    def __init__(self, buffer: bytes | bytearray) -> None:
-        self._view = memoryview(buffer)
-        super().__init__(self._view.nbytes)
-
-    def readinto(self, target: Any) -> int:
-        """Copy up to ``len(target)`` bytes from the current position into ``target``."""
-        out = memoryview(target).cast("B")
-        count = max(0, min(out.nbytes, self._size - self._position))
-        out[:count] = self._view[self._position : self._position + count]
-        self._position += count
-        return count
-
-    def close(self) -> None:
-        """Release the view of the buffer."""
-        self._view.release()
-        super().close()

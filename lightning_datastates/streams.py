@@ -1,8 +1,9 @@
-"""``PositionedReader``: the seek/tell part of the in-memory binary readers torch is handed to read from."""
+"""In-memory binary readers: ``PositionedReader`` (seek and tell) and ``BufferReader`` (reads a buffer in place)."""
 
 from __future__ import annotations
 
 import io
+from typing import Any
 
 
 class PositionedReader(io.RawIOBase):
@@ -32,3 +33,28 @@ class PositionedReader(io.RawIOBase):
     def tell(self) -> int:
         """The current position."""
         return self._position
+
+
+class BufferReader(PositionedReader):
+    """A seekable binary reader over a buffer, without copying it (``io.BytesIO`` copies a bytearray).
+
+    What torch loads from (a fetched checkpoint) and what botocore sends (an S3 part's body in the host arena: it
+    takes bytes or a file, not a memoryview).
+    """
+
+    def __init__(self, buffer: bytes | bytearray | memoryview) -> None:
+        self._view = memoryview(buffer)
+        super().__init__(self._view.nbytes)
+
+    def readinto(self, target: Any) -> int:
+        """Copy up to ``len(target)`` bytes from the current position into ``target``."""
+        out = memoryview(target).cast("B")
+        count = max(0, min(out.nbytes, self._size - self._position))
+        out[:count] = self._view[self._position : self._position + count]
+        self._position += count
+        return count
+
+    def close(self) -> None:
+        """Release this reader's view of the buffer (the buffer itself stays as it is)."""
+        self._view.release()
+        super().close()

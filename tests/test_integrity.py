@@ -31,8 +31,8 @@ from lightning_datastates.checksums import ChecksummingSession, combine_pieces, 
 from lightning_datastates.errors import ConfigError
 from lightning_datastates.integrity import verify_buffer, verify_file
 from lightning_datastates.layout import plan_layout
-from lightning_datastates.reader import BufferReader
 from lightning_datastates.storage.base import WriteSession
+from lightning_datastates.streams import BufferReader
 from tests.conftest import BNModel, assert_bit_equal, every_step_checkpoint, in_background, make_loader, make_trainer
 from tests.s3_server import require_s3, s3_endpoint_fixture, s3_fixture  # noqa: F401 - fixtures
 

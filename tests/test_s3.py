@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_datastates import CheckpointFlushError, DataStatesIO
 from lightning_datastates.errors import ConfigError
-from lightning_datastates.reader import BufferReader, fetch_into_memfd, load_checkpoint
+from lightning_datastates.reader import fetch_into_memfd, load_checkpoint
 from lightning_datastates.storage import writer_for
 from lightning_datastates.storage.s3 import (
     MAX_PART_BYTES,
@@ -32,6 +32,7 @@ from lightning_datastates.storage.s3 import (
     S3Writer,
     plan_parts,
 )
+from lightning_datastates.streams import BufferReader
 from tests.conftest import BNModel, RecordingDataStatesIO, assert_bit_equal, in_background, make_loader, make_trainer
 from tests.s3_server import (  # noqa: F401 - the *_fixture imports register the fixtures s3, moto_process, ...
     fresh_bucket,

@@ -54,7 +54,7 @@ from lightning_datastates.errors import ConfigError
 from lightning_datastates.storage.base import DEFAULT_STALE_AGE_S, StorageWriter, WriteSession
 from lightning_datastates.storage.generic import FSSPEC_KEYS, declared_options, reject_unknown_options
 from lightning_datastates.storage.local import _host_tag, _pid_alive
-from lightning_datastates.streams import PositionedReader
+from lightning_datastates.streams import BufferReader
 
 log = logging.getLogger("lightning_datastates")
 
@@ -290,7 +290,7 @@ class S3WriteSession(WriteSession):
                         PartNumber=number,
                         # botocore takes bytes or a file, not a memoryview: a reader over the caller's memory, new
                         # for every attempt (a retry reads from the start).
-                        Body=ViewReader(body) if isinstance(body, memoryview) else body,
+                        Body=BufferReader(body) if isinstance(body, memoryview) else body,
                     ),
                 )
                 return str(response["ETag"])
@@ -441,22 +441,6 @@ class S3WriteSession(WriteSession):
     def _raise_part_error(self) -> None:
         if self._error is not None:
             raise S3WriteError(str(self._error)) from self._error
-
-
-class ViewReader(PositionedReader):
-    """A seekable binary file reading a memoryview in place (a part's body sent from the host arena)."""
-
-    def __init__(self, view: memoryview) -> None:
-        self._view = view
-        super().__init__(view.nbytes)
-
-    def readinto(self, target: Any) -> int:
-        """Copy up to ``len(target)`` bytes from the current position into ``target``."""
-        out = memoryview(target).cast("B")
-        count = max(0, min(out.nbytes, self._size - self._position))
-        out[:count] = self._view[self._position : self._position + count]
-        self._position += count
-        return count
 
 
 def _assemble(length: int, pieces: list[tuple[int, bytes]]) -> bytes | bytearray:
