@@ -355,15 +355,7 @@ def test_server_killed_mid_upload_fails_loudly_and_the_plugin_recovers(moto_proc
         assert time.monotonic() < deadline and plugin.is_pending(path)
         time.sleep(0.01)
     server.kill()
-    killed = time.monotonic()
-    failure = None
-    while failure is None:
-        assert time.monotonic() - killed < 30, "the failure did not reach the training thread within 30 s"
-        try:
-            plugin.raise_pending_failure()
-        except CheckpointFlushError as exc:
-            failure = exc
-        time.sleep(0.05)
+    failure = _failure_within(plugin, 30)
     assert failure.path == path and path in str(failure) and isinstance(failure.__cause__, OSError)
     assert "part" in str(failure.__cause__) and "part 1/" not in str(failure.__cause__)
     plugin.drain()
@@ -377,6 +369,18 @@ def test_server_killed_mid_upload_fails_loudly_and_the_plugin_recovers(moto_proc
     plugin.raise_pending_failure()
     assert_bit_equal(plugin.load_checkpoint(path, weights_only=True), small)
     assert env.open_uploads() == []
+
+
+def _failure_within(plugin: DataStatesIO, seconds: float) -> CheckpointFlushError:
+    """The background failure, once the training thread sees it; fails the test if that takes over ``seconds``."""
+    started = time.monotonic()
+    while True:
+        assert time.monotonic() - started < seconds, f"the failure did not reach the training thread within {seconds} s"
+        try:
+            plugin.raise_pending_failure()
+        except CheckpointFlushError as exc:
+            return exc
+        time.sleep(0.05)
 
 
 def test_server_stalled_mid_upload_fails_within_seconds_and_the_previous_checkpoint_stays_whole(
@@ -403,15 +407,8 @@ def test_server_stalled_mid_upload_fails_within_seconds_and_the_previous_checkpo
         time.sleep(0.01)
     server.pause()
     stalled = time.monotonic()
-    failure = None
     try:
-        while failure is None:
-            assert time.monotonic() - stalled < 30, "the failure did not reach the training thread within 30 s"
-            try:
-                plugin.raise_pending_failure()
-            except CheckpointFlushError as exc:
-                failure = exc
-            time.sleep(0.05)
+        failure = _failure_within(plugin, 30)
     finally:
         server.resume()
     delay_s = time.monotonic() - stalled
