@@ -107,17 +107,30 @@ def _assert_whole(env, key: str) -> None:
     assert key.endswith(f"-{loaded['i']}.ckpt")
 
 
+def _stop_mid_upload(env, key_prefix: str, process: subprocess.Popen[str], committed_first: bool) -> str:
+    """SIGSTOP ``process`` while its upload is open; return the upload's key.
+
+    The upload seen open may complete before the signal lands (a loaded machine): then the process goes on, and the
+    next upload is caught instead.
+    """
+    while True:
+        key = _wait_mid_upload(env, key_prefix, process, committed_first)
+        process.send_signal(signal.SIGSTOP)
+        if key in env.open_uploads():
+            return key
+        process.send_signal(signal.SIGCONT)
+
+
 @pytest.mark.slow
 def test_uploading_process_killed_mid_upload_leaves_no_partial_object_and_the_next_run_aborts_it(s3, tmp_path):
     stop_file = str(tmp_path / "stop")
     killed = _uploader(s3.endpoint, "s3://bucket/run/killed", stop_file)
     alive = _uploader(s3.endpoint, "s3://bucket/run/alive", stop_file)
     try:
-        killed_key = _wait_mid_upload(s3, "run/killed", killed, committed_first=True)
+        killed_key = _stop_mid_upload(s3, "run/killed", killed, committed_first=True)
         killed.send_signal(signal.SIGKILL)  # mid-upload: parts stored, the commit never comes
         killed.wait(GUARD_S)
-        alive_key = _wait_mid_upload(s3, "run/alive", alive, committed_first=False)
-        alive.send_signal(signal.SIGSTOP)  # a live writer, mid-upload: must not be touched
+        alive_key = _stop_mid_upload(s3, "run/alive", alive, committed_first=False)  # a live writer: not to be touched
         assert killed_key not in s3.keys("run/") and alive_key not in s3.keys("run/")  # no partial object
         for key in s3.keys("run/killed"):
             _assert_whole(s3, key)  # what is visible is complete
