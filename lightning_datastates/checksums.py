@@ -169,6 +169,11 @@ class ChecksummingSession(WriteSession):
             for field in self._slots[index].crc_fields:
                 self.inner.write_range(field, memoryview(field_bytes))
 
+    @property
+    def fast_writes(self) -> bool:  # type: ignore[override]
+        """As the wrapped session's."""
+        return self.inner.fast_writes
+
     def __getattr__(self, name: str) -> Any:
         # Backend details of the wrapped session (a temporary path, an upload id) stay reachable for diagnostics.
         return getattr(self.inner, name)

@@ -88,6 +88,9 @@ class DataStatesConfig:
     stale_after_s: float = DEFAULT_STALE_AFTER_S
     verify_checksums: bool = True
     storage_alignment: int | None = None
+    # Not a user setting: lazy chunks of host tensors are written straight from them when the storage takes writes
+    # at memory speed (snapshot/direct.py). Tests turn it off to exercise the arena path on the CPU.
+    write_through: bool = True
 
     @classmethod
     def from_user(

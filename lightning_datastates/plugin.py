@@ -128,15 +128,21 @@ class DataStatesIO(CheckpointIO):
         try:
             if directory not in self._cleaned_directories:
                 self.clean_stale(directory)
-            lazy = owner.lazy_predicate() if owner is not None and in_training_loop else None
+            # Outside the training loop this call returns only once the file is committed, so nothing changes the
+            # state before then: everything may be copied (or written straight from host memory) after the capture.
+            lazy = (owner.lazy_predicate() if owner is not None else None) if in_training_loop else _every_storage
             with sigint_deferred():  # Ctrl+C must not split a capture (see interrupts.py)
-                stats = self.engine.capture(checkpoint, path, writer, lazy)
+                stats = self.engine.capture(checkpoint, path, writer, lazy, may_skip=in_training_loop)
         except OSError as exc:
             raise CheckpointFlushError(f"cannot write checkpoint {path}: {exc}", path) from exc
         if not in_training_loop:
             # Outside fit's training loop no later hook drains or reports: behave like TorchCheckpointIO and
             # return once the file is committed (`trainer.save_checkpoint(p)` then `torch.load(p)` must work).
-            self.engine.wait_path(path)
+            try:
+                self.engine.wait_path(path)
+            finally:
+                # Whatever ended the wait (even an interrupt), the state must not be read once this call returns.
+                self.engine.wait_copies(attribute=False)
             self.raise_pending_failure(path)
         stats.save_call_s = time.perf_counter() - started
 
@@ -270,6 +276,10 @@ class DataStatesIO(CheckpointIO):
         state = self.__dict__.copy()
         state.update(_engine=None, _owner=None, _cleaned_directories=set())
         return state
+
+
+def _every_storage(storage: Any) -> bool:
+    return True
 
 
 def _path_str(path: _PATH) -> str:

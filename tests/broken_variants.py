@@ -7,18 +7,23 @@ Not collected as tests. Load it as a pytest plugin and pick a variant through ``
 - ``barrier``: barriers return at once (training mutates state while copies still read it);
 - ``always-lazy``: parameters and optimizer state are copied lazily under manual optimization too;
 - ``drain``: nothing waits for pending writes (end of fit, exceptions, saves outside the loop, teardown);
-- ``no-sharing``: checkpoints of the same step never share a host copy.
+- ``no-sharing``: checkpoints of the same step never share a host copy;
+- ``write-through``: the copy of a checkpoint counts as done at once, while writers still write chunks straight from
+  the training tensors, after barriers too.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
 from lightning_datastates.callback import DataStatesCallback
 from lightning_datastates.plugin import DataStatesIO
+from lightning_datastates.snapshot.direct import WriteThrough
 from lightning_datastates.snapshot.engine import SnapshotEngine
+from lightning_datastates.snapshot.job import SnapshotJob
 from lightning_datastates.snapshot.sharing import SharedCopies
 
 
@@ -47,5 +52,17 @@ def _broken_variant(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(DataStatesIO, "teardown", lambda self: None)
     elif variant == "no-sharing":
         monkeypatch.setattr(SharedCopies, "follow", lambda self, job, records, storages: set())
+    elif variant == "write-through":
+        monkeypatch.setattr(SnapshotEngine, "_copy_unwritten", lambda self, job, through: None)
+        monkeypatch.setattr(SnapshotEngine, "_wait_copier", lambda self, ready: None)
+        monkeypatch.setattr(WriteThrough, "close", lambda self: None)
+        monkeypatch.setattr(WriteThrough, "take_unwritten", lambda self: [])
+
+        def mark_copied(self):  # as SnapshotJob.mark_copied, but the sources stay reachable for the writers
+            self.stats.copy_s = time.perf_counter() - self.stats.started_at
+            self.eager_copied.set()
+            self.copied.set()
+
+        monkeypatch.setattr(SnapshotJob, "mark_copied", mark_copied)
     elif variant:
         raise ValueError(f"unknown LDS_BROKEN variant {variant!r}")

@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_datastates import DataStatesIO
 from lightning_datastates.snapshot import copier as copier_module
+from lightning_datastates.snapshot import engine as engine_module
 from lightning_datastates.storage.local import TEMP_SUFFIX, LocalWriter, LocalWriteSession
 
 
@@ -120,18 +121,25 @@ def temp_files(directory: str) -> list[str]:
 
 @pytest.fixture
 def slow_copies(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make every host copy take 2 ms longer: copies then reliably outlast a training step of these tiny models.
+    """Make every host copy, and every write straight from host tensors, take 2 ms longer: they then reliably
+    outlast a training step of these tiny models.
 
-    Real copies of large models take longer than a step; this recreates that at a precise point (the copier),
-    without touching the logic under test.
+    Real copies of large models take longer than a step; this recreates that at precise points (the copier, and the
+    writer taking a write-through chunk's source bytes), without touching the logic under test.
     """
     original = copier_module.CpuCopier.copy
+    original_host_bytes = engine_module._host_bytes
 
     def slow_copy(self: Any, dst: torch.Tensor, src: torch.Tensor, mark: Any) -> None:
         time.sleep(0.002)
         original(self, dst, src, mark)
 
+    def slow_host_bytes(storage: torch.UntypedStorage, offset: int, nbytes: int) -> memoryview:
+        time.sleep(0.002)
+        return original_host_bytes(storage, offset, nbytes)
+
     monkeypatch.setattr(copier_module.CpuCopier, "copy", slow_copy)
+    monkeypatch.setattr(engine_module, "_host_bytes", slow_host_bytes)
 
 
 class GatedWriter(LocalWriter):
@@ -150,6 +158,10 @@ class GatedWriter(LocalWriter):
         writer = self
 
         class _Session(LocalWriteSession):
+            # Gated or delayed writes model slow storage: lazy chunks go through the arena, never straight from the
+            # training tensors (a barrier would wait for the gate).
+            fast_writes = False
+
             def write_range(self, offset: int, data: memoryview) -> None:
                 writer.gate.wait(timeout=30)
                 if writer.delay_s:

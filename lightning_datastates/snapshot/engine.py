@@ -14,6 +14,7 @@ to a :class:`~lightning_datastates.storage.base.StorageWriter`.
 
 from __future__ import annotations
 
+import ctypes
 import io
 import logging
 import os
@@ -40,6 +41,7 @@ from lightning_datastates.layout import (
 from lightning_datastates.snapshot.arena import HostArena
 from lightning_datastates.snapshot.chunks import Chunk, plan_chunks
 from lightning_datastates.snapshot.copier import CopierSet
+from lightning_datastates.snapshot.direct import WRITE_THROUGH_CHUNK_BYTES, WriteThrough
 from lightning_datastates.snapshot.job import JobState, SnapshotJob, SnapshotStats
 from lightning_datastates.snapshot.sharing import SharedCopies, SharingCounters
 from lightning_datastates.storage.base import StorageWriter
@@ -89,16 +91,24 @@ class SnapshotEngine:
         self._skipped_since_last_capture = False  # removals right after a skipped save keep their file
         self._sharing = SharedCopies()  # lazy copies open to later checkpoints of the same state
         self._eager_done: deque[SnapshotJob] = deque()  # copier thread: eager part copied, lazy part waiting
+        # The copier thread waits on it for write-through chunks (snapshot/direct.py) and new captures.
+        self._copier_wake = threading.Condition()
 
     # ------------------------------------------------------------------ training thread
     def capture(
-        self, checkpoint: dict[str, Any], path: str, writer: StorageWriter, lazy: LazyPredicate | None
+        self,
+        checkpoint: dict[str, Any],
+        path: str,
+        writer: StorageWriter,
+        lazy: LazyPredicate | None,
+        may_skip: bool | None = None,
     ) -> SnapshotStats:
         """Snapshot ``checkpoint`` for ``path`` and return once training may go on.
 
-        Storages for which ``lazy`` answers True are copied in the background (the caller guarantees a barrier,
-        :meth:`wait_copies`, before they can change); all others are in host memory when this returns. With
-        ``lazy=None`` everything is.
+        Storages for which ``lazy`` answers True are copied in the background, or written straight from host memory
+        (the caller guarantees a barrier, :meth:`wait_copies`, before they can change); all others are in host memory
+        when this returns. With ``lazy=None`` everything is. ``may_skip`` (default: whether ``lazy`` is given): the
+        save may be skipped by ``on_arena_full="skip"``.
 
         Raises:
             CheckpointCaptureError: the checkpoint cannot be pickled (nothing was written).
@@ -107,7 +117,7 @@ class SnapshotEngine:
         started_at = time.perf_counter()
         layout, storages = self._plan(checkpoint)
         arena = self._ensure_arena(layout.payload_bytes)
-        skip_reason = self._admit(layout, arena, may_skip=lazy is not None)
+        skip_reason = self._admit(layout, arena, may_skip=lazy is not None if may_skip is None else may_skip)
         if skip_reason is not None:
             return self._skip(path, layout, started_at, skip_reason)
         chunk_bytes = max(4096, min(self.config.chunk_bytes, arena.size_bytes // 4))
@@ -154,10 +164,18 @@ class SnapshotEngine:
             self._latest_by_path[path] = job
             if lazy is not None:
                 lazy_records = [r for r in layout.records if r.key not in eager_keys]
+                through = self.config.write_through and getattr(session, "fast_writes", False)
+                if through:  # small chunks: a barrier waits for those being written (snapshot/direct.py)
+                    chunk_bytes = min(chunk_bytes, WRITE_THROUGH_CHUNK_BYTES)
                 job.lazy_chunks = self._plan_shared_lazy_copy(job, lazy_records, storages, chunk_bytes)
+                if through:
+                    host_chunks = [c for c in job.lazy_chunks if _all_in_host_memory(c, storages)]
+                    job.write_through = WriteThrough(host_chunks, self._copier_wake) if host_chunks else None
             self._active.append(job)
             self.history.append(job.stats)
             self._copy_queue.put(job)  # the copier queues the metadata write: one hand-over, nothing half-queued
+        with self._copier_wake:
+            self._copier_wake.notify_all()  # a copier waiting for write-through chunks copies this eager part now
         (job.eager_copied if lazy is not None else job.copied).wait()
         return job.stats
 
@@ -171,6 +189,9 @@ class SnapshotEngine:
             waiting = [job for job in self._active if not job.copied.is_set()]
         if not waiting:
             return 0.0
+        for job in waiting:
+            if job.write_through is not None:
+                job.write_through.close()  # no more writes from the sources: the rest is copied into the arena
         started = time.perf_counter()
         for job in waiting:
             job.copied.wait()
@@ -417,14 +438,47 @@ class SnapshotEngine:
     def _copy_job(self, job: SnapshotJob) -> None:
         if not job.eager_copied.is_set() and not self._copy_eager(job):
             return
+        through = job.write_through
         try:
+            if through is not None:
+                for chunk in through.chunks:  # writers take them straight from the sources, unless a barrier comes
+                    job.add_outstanding()
+                    self._write_queue.put(("through", job, chunk))
+            held_back = set() if through is None else {id(chunk) for chunk in through.chunks}
             for chunk in job.lazy_chunks:
-                self._copy_newer_eager()
-                self._copy_chunk(job, chunk)
+                if id(chunk) not in held_back:
+                    self._copy_newer_eager()
+                    self._copy_chunk(job, chunk)
+            if through is not None:
+                self._copy_unwritten(job, through)
         except BaseException as exc:  # noqa: BLE001 - reported on the training thread, never lost
             job.fail(exc)
         finally:
+            if through is not None:
+                # Sources may be read only until the copy ends: stop writers from starting, wait for those writing.
+                through.close()
+                through.take_unwritten()  # on failure: never copied (their followers are failed by _finish_copy)
+                self._wait_copier(lambda: not through.in_flight())
             self._finish_copy(job)
+
+    def _copy_unwritten(self, job: SnapshotJob, through: WriteThrough) -> None:
+        """Wait until writers wrote all of ``through``'s chunks from the sources, or until a barrier closed it; then
+        copy the chunks nobody took into the arena (as any lazy chunk)."""
+        self._wait_copier(lambda: through.settled() or through.closed)
+        for chunk in through.take_unwritten() if through.closed else []:
+            self._copy_newer_eager()
+            self._copy_chunk(job, chunk)
+
+    def _wait_copier(self, ready: Callable[[], bool]) -> None:
+        """Copier thread: wait until ``ready()`` (checked with the wake condition held), copying the eager part of
+        new captures meanwhile (their save calls wait for it)."""
+        while True:
+            self._copy_newer_eager()
+            with self._copier_wake:
+                if ready():
+                    return
+                if self._copy_queue.empty():
+                    self._copier_wake.wait(_POLL_S)  # woken by writers, barriers and captures
 
     def _copy_eager(self, job: SnapshotJob) -> bool:
         """Queue ``job``'s metadata write and copy its eager chunks; False (and the copy finished) on failure."""
@@ -499,7 +553,9 @@ class SnapshotEngine:
                 self._commit(job)
                 continue
             try:
-                if not job.stopped:
+                if kind == "through":
+                    self._write_through(job, task[2])  # also when the job stopped: it may have followers
+                elif not job.stopped:
                     if kind == "metadata":
                         for offset, data in job.layout.metadata:
                             job.session.write_range(offset, memoryview(data))
@@ -511,7 +567,7 @@ class SnapshotEngine:
             finally:
                 if kind == "chunk":
                     assert self.arena is not None
-                    self._write_followers(task[2], task[3])
+                    self._write_followers(task[2], _slicer(self.arena.memoryview(task[3])))
                     self.arena.free(task[3])
                 job.release()
 
@@ -522,15 +578,38 @@ class SnapshotEngine:
             job.session.write_range(piece.file_offset, view[piece.block_offset : piece.block_offset + piece.nbytes])
             job.add_written(piece.nbytes)
 
-    def _write_followers(self, chunk: Chunk, block: Any) -> None:
-        """Write ``chunk``'s block into every checkpoint that shares it, at that checkpoint's own offsets."""
-        assert self.arena is not None
-        view = self.arena.memoryview(block)
+    def _write_through(self, job: SnapshotJob, chunk: Chunk) -> None:
+        """Write ``chunk`` (and its followers' copies) straight from the sources, unless a barrier came first (then
+        the copier copies it into the arena)."""
+        assert job.write_through is not None
+        if not job.write_through.claim(chunk):
+            return
+        try:
+            self._sharing.mark_queued(chunk)  # from here on this writer serves the chunk's followers
+            if not self._sharing.must_copy(job, chunk):
+                return
+            assert job.sources is not None  # dropped only once no chunk is being written (the copy's end waits)
+            views = {p.block_offset: _host_bytes(job.sources[p.key], p.source_offset, p.nbytes) for p in chunk.pieces}
+            try:
+                if not job.stopped:
+                    for piece in chunk.pieces:
+                        job.session.write_range(piece.file_offset, views[piece.block_offset])
+                        job.add_written(piece.nbytes)
+            except BaseException as exc:  # noqa: BLE001 - reported on the training thread, never lost
+                job.fail(exc)
+            # A follower's write is one whole piece of this chunk (sharing.py): found by its block offset.
+            self._write_followers(chunk, lambda offset, nbytes: views[offset][:nbytes])
+        finally:
+            job.write_through.done(chunk)
+
+    def _write_followers(self, chunk: Chunk, bytes_at: Callable[[int, int], memoryview]) -> None:
+        """Write ``chunk``'s bytes (``bytes_at(block_offset, nbytes)``) into every checkpoint that shares it, at
+        that checkpoint's own offsets."""
         for follower, writes in self._sharing.take_followers(chunk):
             try:
                 if not follower.stopped:
                     for write in writes:
-                        data = view[write.block_offset : write.block_offset + write.nbytes]
+                        data = bytes_at(write.block_offset, write.nbytes)
                         follower.session.write_range(write.file_offset, data)
                         follower.add_written(write.nbytes)
             except BaseException as exc:  # noqa: BLE001 - reported on the training thread, never lost
@@ -626,6 +705,22 @@ def lower_thread_priority() -> int:
         log.warning("lightning_datastates: cannot lower the priority of %s: %s", threading.current_thread().name, exc)
         return 0
     return increment
+
+
+def _slicer(view: memoryview) -> Callable[[int, int], memoryview]:
+    """``bytes_at(offset, nbytes)`` over ``view``."""
+    return lambda offset, nbytes: view[offset : offset + nbytes]
+
+
+def _all_in_host_memory(chunk: Chunk, storages: list[torch.UntypedStorage]) -> bool:
+    return all(storages[piece.key].device.type == "cpu" for piece in chunk.pieces)
+
+
+def _host_bytes(storage: torch.UntypedStorage, offset: int, nbytes: int) -> memoryview:
+    """A memoryview of ``nbytes`` bytes of the host ``storage`` from ``offset`` (no copy; valid while it lives)."""
+    if nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * nbytes).from_address(storage.data_ptr() + offset)).cast("B")
 
 
 def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:

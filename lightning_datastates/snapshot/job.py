@@ -18,6 +18,7 @@ import torch
 
 from lightning_datastates.layout import CheckpointLayout
 from lightning_datastates.snapshot.chunks import Chunk
+from lightning_datastates.snapshot.direct import WriteThrough
 from lightning_datastates.storage.base import WriteSession
 
 
@@ -83,6 +84,7 @@ class SnapshotJob:
     settled: bool = False  # past its commit or abort: deferred removals no longer wait for it
     lock: threading.Lock = field(default_factory=threading.Lock)
     on_ready: Callable[[SnapshotJob], None] | None = None
+    write_through: WriteThrough | None = None  # lazy chunks writers may take straight from the sources
 
     @property
     def stopped(self) -> bool:

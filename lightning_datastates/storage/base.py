@@ -24,6 +24,9 @@ class WriteSession(ABC):
     """One checkpoint being written; see the module docstring for the call order."""
 
     path: str
+    #: Whether ``write_range`` returns at memory speed (the bytes land in the page cache or a local buffer), so that
+    #: writing straight from training tensors holds them only for moments (see ``snapshot/direct.py``).
+    fast_writes: bool = False
 
     @abstractmethod
     def write_range(self, offset: int, data: memoryview) -> None:

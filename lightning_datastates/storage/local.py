@@ -88,6 +88,11 @@ class PositionalFileSession(WriteSession):
         """Whether whole aligned blocks are (still) written with ``O_DIRECT``."""
         return self._direct_fd is not None
 
+    @property
+    def fast_writes(self) -> bool:  # type: ignore[override]
+        """Buffered writes land in the page cache at memory speed; direct ones wait for the device."""
+        return self._direct_fd is None
+
     def write_range(self, offset: int, data: memoryview) -> None:
         """``pwrite`` all of ``data`` at ``offset`` (retrying short writes); with direct I/O, its whole aligned
         blocks through the ``O_DIRECT`` descriptor.

@@ -1,0 +1,119 @@
+"""Write-through: lazy chunks of host tensors written straight to the file until the barrier (snapshot/direct.py)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import threading
+import time
+
+import torch
+
+from lightning_datastates import DataStatesIO
+from lightning_datastates.storage.local import LocalWriter, LocalWriteSession
+from tests.conftest import assert_bit_equal, in_background
+
+MiB = 2**20
+
+
+def _checkpoint(seed: int = 0) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "state_dict": {f"w{i}": torch.randn(MiB, generator=generator) for i in range(4)},  # 4 MiB each
+        "small": torch.arange(7),
+        "epoch": seed,
+    }
+
+
+def _payload_bytes(checkpoint: dict) -> int:
+    return sum(t.untyped_storage().nbytes() for t in checkpoint["state_dict"].values())
+
+
+def test_save_outside_the_loop_writes_host_tensors_without_copying_them(tmp_path):
+    checkpoint = _checkpoint()
+    plugin = DataStatesIO()
+    plugin.save_checkpoint(checkpoint, str(tmp_path / "a.ckpt"))
+    assert_bit_equal(torch.load(tmp_path / "a.ckpt", weights_only=True), checkpoint)
+    # Only the small eager tensor went through the arena; the 16 MiB of weights went straight to the file.
+    assert plugin.engine.sharing_counters.copied_bytes < 64 * 1024
+    plugin.teardown()
+
+
+def test_arena_path_when_write_through_is_off_or_writes_are_slow(tmp_path):
+    checkpoint = _checkpoint()
+    arena_only = DataStatesIO()
+    arena_only.config = dataclasses.replace(arena_only.config, write_through=False)
+    direct_io = DataStatesIO(storage_alignment=4096)  # O_DIRECT writes wait for the device: not "fast"
+    for name, plugin in (("off", arena_only), ("direct", direct_io)):
+        plugin.save_checkpoint(checkpoint, str(tmp_path / f"{name}.ckpt"))
+        assert_bit_equal(torch.load(tmp_path / f"{name}.ckpt", weights_only=True), checkpoint)
+        assert plugin.engine.sharing_counters.copied_bytes >= _payload_bytes(checkpoint), name
+        plugin.teardown()
+
+
+class _HeldWriter(LocalWriter):
+    """A local writer (fast writes, so write-through applies) whose first large write waits for ``release``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.writes_after_barrier = 0
+        self.barrier_returned = threading.Event()
+
+    def begin(self, path: str, total_bytes: int) -> LocalWriteSession:
+        session = super().begin(path, total_bytes)
+        writer = self
+
+        class _Session(LocalWriteSession):
+            def write_range(self, offset: int, data: memoryview) -> None:
+                if data.nbytes >= 256 * 1024 and not writer.entered.is_set():
+                    writer.entered.set()
+                    writer.release.wait(timeout=30)
+                super().write_range(offset, data)
+
+        return _Session(session.path, session.temp_path, session._fd)  # type: ignore[arg-type]
+
+
+def test_barrier_waits_for_chunks_in_flight_and_copies_the_rest(tmp_path, monkeypatch):
+    writer = _HeldWriter()
+    monkeypatch.setattr("lightning_datastates.plugin.writer_for", lambda path, storage_options=None: writer)
+    plugin = in_background(DataStatesIO(chunk_size="1MiB", writer_threads=1), lazy=True)
+    checkpoint = _checkpoint()
+    expected = copy.deepcopy(checkpoint)
+    plugin.save_checkpoint(checkpoint, str(tmp_path / "a.ckpt"))
+    assert writer.entered.wait(timeout=30), "no chunk was written from the training tensors"
+
+    barrier = threading.Thread(target=plugin.barrier)
+    barrier.start()
+    barrier.join(timeout=0.5)
+    # The one writer is inside a chunk it reads from the training tensors: the barrier must not return yet.
+    assert barrier.is_alive()
+    writer.release.set()
+    barrier.join(timeout=30)
+    assert not barrier.is_alive()
+    for tensor in checkpoint["state_dict"].values():
+        tensor.zero_()  # the optimizer step: after the barrier the state may change
+    plugin.drain()
+    assert_bit_equal(torch.load(tmp_path / "a.ckpt", weights_only=True), expected)
+    copied = plugin.engine.sharing_counters.copied_bytes - expected["small"].untyped_storage().nbytes()
+    # One chunk went straight to the file; the chunks nobody had started were copied into the arena at the barrier.
+    assert MiB <= _payload_bytes(expected) - copied <= 2 * MiB
+    plugin.teardown()
+
+
+def test_lazy_checkpoint_written_through_before_the_barrier_needs_no_wait(tmp_path):
+    plugin = in_background(DataStatesIO(chunk_size="1MiB"), lazy=True)
+    checkpoint = _checkpoint()
+    expected = copy.deepcopy(checkpoint)
+    plugin.save_checkpoint(checkpoint, str(tmp_path / "a.ckpt"))
+    deadline = time.monotonic() + 30
+    while plugin.is_pending(str(tmp_path / "a.ckpt")) and time.monotonic() < deadline:
+        time.sleep(0.01)  # a long forward and backward: the writes end before the next optimizer step
+    assert plugin.barrier() == 0.0
+    for tensor in checkpoint["state_dict"].values():
+        tensor.zero_()
+    plugin.drain()
+    assert_bit_equal(torch.load(tmp_path / "a.ckpt", weights_only=True), expected)
+    assert plugin.engine.sharing_counters.copied_bytes < 64 * 1024
+    plugin.teardown()
