@@ -166,6 +166,11 @@ class ResidentCache:
             self.counters.hits += 1
         return _LeasedReader(segments, image.total_bytes, lambda: self._end_lease(image))
 
+    def published_paths(self) -> list[str]:
+        """Paths whose checkpoint a load may be served from memory now (if the file is unchanged)."""
+        with self._lock:
+            return list(self._published)
+
     def evictable_bytes(self) -> int:
         """Arena bytes held only by retained images that no load is reading: space an allocation can reclaim."""
         with self._lock:
