@@ -205,7 +205,7 @@ def test_a_checkpoint_larger_than_the_arena_streams_through_it_and_is_read_from_
 
 
 def test_later_checkpoints_evict_older_ones_which_load_from_storage(tmp_path) -> None:
-    plugin = DataStatesIO(host_cache="2MiB", chunk_size="128KiB")  # about two checkpoints of this model
+    plugin = DataStatesIO(host_cache="3MiB", chunk_size="128KiB")  # about three checkpoints of this model
     trainer, _, directory = _fit(tmp_path, plugin)
     first = os.path.join(directory, "epoch=0-step=1.ckpt")
     newest = os.path.join(directory, f"epoch=0-step={trainer.global_step}.ckpt")

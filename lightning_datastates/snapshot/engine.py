@@ -296,7 +296,8 @@ class SnapshotEngine:
         allocation may evict do not count."""
         if self.arena is None:
             return 0
-        return self.arena.used_bytes - (0 if self.resident is None else self.resident.evictable_bytes())
+        evictable = 0 if self.resident is None else self.resident.evictable_bytes()
+        return max(0, self.arena.used_bytes - evictable)  # two readings: a block freed in between
 
     @property
     def sharing_counters(self) -> SharingCounters:
@@ -565,14 +566,16 @@ class SnapshotEngine:
         stop holds the ranges it wrote), then release the followers. Retained before the release, so a follower's
         commit (on another writer thread) finds the block in its image."""
         assert self.arena is not None
-        if self.resident is None:
-            self.arena.free(block)
-        else:
-            holders = [(job, [(p.block_offset, p.file_offset, p.nbytes) for p in chunk.pieces])]
-            holders += [(f, [(w.block_offset, w.file_offset, w.nbytes) for w in writes]) for f, writes in followers]
-            self.resident.retain(block, [(holder, ranges) for holder, ranges in holders if not holder.stopped])
-        for follower, _ in followers:
-            follower.release()
+        try:
+            if self.resident is None:
+                self.arena.free(block)
+            else:
+                holders = [(job, [(p.block_offset, p.file_offset, p.nbytes) for p in chunk.pieces])]
+                holders += [(f, [(w.block_offset, w.file_offset, w.nbytes) for w in writes]) for f, writes in followers]
+                self.resident.retain(block, [(holder, ranges) for holder, ranges in holders if not holder.stopped])
+        finally:
+            for follower, _ in followers:
+                follower.release()
 
     def _schedule_commit(self, job: SnapshotJob) -> None:
         self._write_queue.put(("commit", job))
