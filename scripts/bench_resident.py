@@ -3,10 +3,11 @@
     PYTHONPATH=$PWD python scripts/bench_resident.py [DIR] [--mib 512] [--rounds 5]
 
 One DataStatesIO saves the checkpoint (its arena is sized to hold it) and then loads it again: the load is served
-from the arena. The other loads read the same file from storage with a warm page cache (each is run once untimed
-first): DataStatesIO's storage load with and without CRC verification, and plain ``torch.load(path)``. Every timed
-load ends by reading every byte of every loaded tensor. Prints the median of ``--rounds`` and each method's time
-divided by the served load's.
+from the arena. The other loads read the same file from storage: DataStatesIO's storage load with and without CRC
+verification, and plain ``torch.load(path)``; "warm": right after an untimed load (the file is in the page
+cache), "cold": the file evicted from the page cache first (``fsync`` then ``POSIX_FADV_DONTNEED``; the served load
+does not read the file, so its two columns measure the same thing). Every timed load ends by reading every byte of
+every loaded tensor. Prints the median of ``--rounds`` and each time divided by the served load's warm time.
 """
 
 from __future__ import annotations
@@ -24,7 +25,21 @@ import torch
 from lightning_datastates import DataStatesIO
 
 
-def _timed(load: Callable[[], Any]) -> float:
+def _evict(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _timed(load: Callable[[], Any], path: str | None = None, cold: bool = False) -> float:
+    """Seconds of one load; ``cold``: ``path`` evicted from the page cache first, else loaded once untimed."""
+    if cold and path is not None:
+        _evict(path)
+    elif path is not None:
+        _timed(load)  # warm: the file (and the allocator) as a load just left them
     started = time.perf_counter()
     loaded = load()
     for tensor in loaded["state_dict"].values():
@@ -55,20 +70,25 @@ def main() -> None:
         _timed(load)  # warm: page cache filled, first-call costs paid
     counters = resident.engine.resident.counters  # type: ignore[union-attr]
     hits_before = counters.hits
-    times: dict[str, list[float]] = {name: [] for name in methods}
+    times: dict[tuple[str, bool], list[float]] = {(name, cold): [] for name in methods for cold in (False, True)}
     for round_ in range(args.rounds):
         names = list(methods)
         for name in names[round_ % len(names) :] + names[: round_ % len(names)]:  # rotate the order
-            times[name].append(_timed(methods[name]))
-    assert counters.hits == hits_before + args.rounds, "the served load went to storage"
+            for cold in (False, True):
+                times[(name, cold)].append(_timed(methods[name], path, cold))
+    assert counters.hits == hits_before + 3 * args.rounds, "the served load went to storage"
     mib = os.path.getsize(path) / 2**20
-    served = statistics.median(times["DataStatesIO load served from memory"])
+    median = {key: statistics.median(values) for key, values in times.items()}
+    served = median[("DataStatesIO load served from memory", False)]
     print(f"{mib:.0f} MiB file in {directory}, {os.cpu_count()} CPUs, median of {args.rounds}, every byte touched")
-    print("| load | median s | MiB/s | time / served |")
-    print("|---|---|---|---|")
-    for name, values in times.items():
-        median = statistics.median(values)
-        print(f"| {name} | {median:.3f} | {mib / median:.0f} | {median / served:.2f}x |")
+    print("| load | warm s | warm MiB/s | warm / served | cold s | cold MiB/s | cold / served |")
+    print("|---|---|---|---|---|---|---|")
+    for name in methods:
+        warm, cold = median[(name, False)], median[(name, True)]
+        print(
+            f"| {name} | {warm:.3f} | {mib / warm:.0f} | {warm / served:.2f}x "
+            f"| {cold:.3f} | {mib / cold:.0f} | {cold / served:.2f}x |"
+        )
     resident.teardown()
     os.unlink(path)
 
