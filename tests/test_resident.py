@@ -328,3 +328,12 @@ def test_serve_from_memory_is_validated_and_read_from_a_lightning_cli_yaml(tmp_p
     )
     plugin = _plugin(cli)
     assert plugin.config.serve_from_memory is False and plugin.engine.resident is None
+
+
+def test_segment_reader_copies_large_writable_segments_exactly() -> None:
+    """Large copies from writable buffers (the arena) take torch's parallel copy; the bytes are the same."""
+    first, second = bytearray(os.urandom(3 * MiB)), bytearray(os.urandom(2 * MiB + 5))
+    reader = SegmentReader([(0, first), (3 * MiB + 7, second)], 5 * MiB + 12)
+    target = bytearray(b"\xff" * (5 * MiB + 12))
+    assert reader.readinto(target) == len(target)
+    assert target == first + bytes(7) + second
