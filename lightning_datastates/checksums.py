@@ -127,6 +127,7 @@ class ChecksummingSession(WriteSession):
         self._pieces: list[list[tuple[int, int, int]]] = [[] for _ in self._slots]
         self._written = [0] * len(self._slots)
         self._unfinished = sum(1 for slot in self._slots if slot.nbytes)
+        self._fields: list[tuple[int, bytes]] = []  # CRC-32 fields written so far: (file offset, 4 bytes)
         self._lock = threading.Lock()
 
     def write_range(self, offset: int, data: memoryview) -> None:
@@ -168,6 +169,13 @@ class ChecksummingSession(WriteSession):
             self._pieces[index] = []
             for field in self._slots[index].crc_fields:
                 self.inner.write_range(field, memoryview(field_bytes))
+            with self._lock:
+                self._fields += [(field, field_bytes) for field in self._slots[index].crc_fields]
+
+    def written_fields(self) -> list[tuple[int, bytes]]:
+        """``(file_offset, bytes)`` of every CRC-32 field written so far (all of them once ``complete`` passed)."""
+        with self._lock:
+            return list(self._fields)
 
     @property
     def fast_writes(self) -> bool:  # type: ignore[override]

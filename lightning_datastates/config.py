@@ -88,6 +88,7 @@ class DataStatesConfig:
     stale_after_s: float = DEFAULT_STALE_AFTER_S
     verify_checksums: bool = True
     storage_alignment: int | None = None
+    serve_from_memory: bool = True
     # Not a user setting: lazy chunks of host tensors are written straight from them when the storage takes writes
     # at memory speed (snapshot/direct.py). Tests turn it off to exercise the arena path on the CPU.
     write_through: bool = True
@@ -105,6 +106,7 @@ class DataStatesConfig:
         stale_after_s: float = DEFAULT_STALE_AFTER_S,
         verify_checksums: bool = True,
         storage_alignment: Size | None = None,
+        serve_from_memory: bool = True,
     ) -> DataStatesConfig:
         """Validate user-facing arguments (as given to the constructor or in yaml)."""
         host_cache_bytes = None if host_cache is None else parse_size(host_cache, "host_cache")
@@ -118,6 +120,8 @@ class DataStatesConfig:
             raise ConfigError(f"storage_options must be a dict of fsspec options, got {type(storage_options).__name__}")
         if not isinstance(verify_checksums, bool):
             raise ConfigError(f"verify_checksums must be True or False, got {verify_checksums!r}")
+        if not isinstance(serve_from_memory, bool):
+            raise ConfigError(f"serve_from_memory must be True or False, got {serve_from_memory!r}")
         _check_fault_policies(on_flush_error, on_arena_full, stale_after_s)
         alignment = None if storage_alignment is None else parse_size(storage_alignment, "storage_alignment")
         if alignment is not None and not (alignment & (alignment - 1) == 0 and 64 <= alignment <= MAX_ALIGNMENT):
@@ -136,6 +140,7 @@ class DataStatesConfig:
             stale_after_s=float(stale_after_s),
             verify_checksums=verify_checksums,
             storage_alignment=alignment,
+            serve_from_memory=serve_from_memory,
         )
 
     def arena_bytes_for(self, payload_bytes: int) -> int:

@@ -37,7 +37,7 @@ import torch
 import torch.utils.serialization
 
 from lightning_datastates.archive import ArchiveFormatError, read_archive_index
-from lightning_datastates.streams import PositionedReader
+from lightning_datastates.streams import SegmentReader
 
 #: Bytes of a CRC-32 field.
 CRC_FIELD_BYTES = 4
@@ -141,7 +141,7 @@ def plan_layout(checkpoint: Any, alignment: int | None = None) -> tuple[Checkpoi
         raise LayoutUnsupported(f"torch did not align the records to {alignment} bytes")
     _check_layout(CheckpointLayout(metadata=tuple(sink.segments), records=records, total_bytes=sink.size))
     segments = tuple(sink.segments)
-    slots = _checksum_slots(_SparseReader(segments, sink.size).read_at, sink.size)
+    slots = _checksum_slots(SegmentReader(segments, sink.size).read_at, sink.size)
     holes = {(r.offset, r.nbytes) for r in records if r.nbytes}
     if not holes <= {(slot.data_offset, slot.nbytes) for slot in slots}:
         raise LayoutUnsupported("a storage's hole is not exactly one record of the archive")
@@ -232,7 +232,7 @@ def _match_records(holes: list[tuple[int, int]], storages: list[torch.UntypedSto
 def _check_layout(layout: CheckpointLayout) -> None:
     """Ask torch's own zip reader where each record's data starts and compare with the plan."""
     try:
-        reader = torch._C.PyTorchFileReader(_SparseReader(layout.metadata, layout.total_bytes))  # type: ignore[call-overload]
+        reader = torch._C.PyTorchFileReader(SegmentReader(layout.metadata, layout.total_bytes))  # type: ignore[call-overload]
         names = set(reader.get_all_records())
         for record in layout.records:
             name = f"data/{record.key}"
@@ -281,42 +281,3 @@ class _LayoutSink:
 
     def flush(self) -> None:
         pass
-
-
-class _SparseReader(PositionedReader):
-    """A read-only view of a planned file: metadata segments where planned, zeros in the holes."""
-
-    def read_at(self, offset: int, nbytes: int) -> bytes:
-        """Up to ``nbytes`` bytes from ``offset`` (the position moves there)."""
-        index = bisect.bisect_right(self._starts, offset) - 1
-        if index >= 0:  # fast path: inside one segment (headers and the central directory always are)
-            start, data = self._segments[index]
-            if offset + nbytes <= start + len(data):
-                self._position = offset + nbytes
-                return data[offset - start : offset - start + nbytes]
-        self.seek(offset)
-        buffer = bytearray(max(0, nbytes))
-        return bytes(buffer[: self.readinto(buffer)])
-
-    def __init__(self, segments: tuple[tuple[int, bytes], ...], size: int) -> None:
-        super().__init__(size)
-        self._segments = segments
-        self._starts = [offset for offset, _ in segments]
-
-    def readinto(self, buffer: Any) -> int:
-        count = max(0, min(len(buffer), self._size - self._position))
-        view = memoryview(buffer).cast("B")[:count]
-        view[:] = bytes(count)
-        start, end = self._position, self._position + count
-        # Segments are sorted and disjoint: start from the last one beginning at or before `start`.
-        index = max(0, bisect.bisect_right(self._starts, start) - 1)
-        while index < len(self._segments):  # by index: slicing the tail on every read would be quadratic
-            offset, data = self._segments[index]
-            index += 1
-            if offset >= end:
-                break
-            lo, hi = max(offset, start), min(offset + len(data), end)
-            if lo < hi:
-                view[lo - start : hi - start] = data[lo - offset : hi - offset]
-        self._position = end
-        return count

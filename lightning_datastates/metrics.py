@@ -11,7 +11,7 @@ key                             meaning
 ``datastates/copy_MB_per_s``    tensor bytes copied into host memory / seconds from the save call until the copy ended
 ``datastates/flush_MB_per_s``   file bytes / seconds from the save call until the commit (1 MB = 10^6 bytes)
 ``datastates/durable_s``        seconds from the save call until the file was committed
-``datastates/arena_occupancy``  highest fraction of the host arena in use, sampled at each hook while it was pending
+``datastates/arena_occupancy``  highest fraction of the host arena held by pending checkpoints (not retained ones)
 ==============================  ========================================================================================
 
 Across checkpoints and processes, ``torchmetrics`` aggregates (``MeanMetric``, ``MaxMetric``, ``SumMetric``) are
@@ -207,7 +207,8 @@ def _arena_occupancy(plugin: DataStatesIO) -> float | None:
     arena = plugin.engine.arena if plugin.stats else None
     if arena is None or arena.size_bytes == 0:
         return None
-    return arena.used_bytes / arena.size_bytes
+    # Retained checkpoints (serve_from_memory) give their space up to any new copy: they are spare room, not load.
+    return plugin.engine.held_arena_bytes() / arena.size_bytes
 
 
 def _human_bytes(nbytes: float) -> str:

@@ -9,11 +9,15 @@ Not collected as tests. Load it as a pytest plugin and pick a variant through ``
 - ``drain``: nothing waits for pending writes (end of fit, exceptions, saves outside the loop, teardown);
 - ``no-sharing``: checkpoints of the same step never share a host copy;
 - ``write-through``: the copy of a checkpoint counts as done at once, while writers still write chunks straight from
-  the training tensors, after barriers too.
+  the training tensors, after barriers too;
+- ``resident-free``: a written block goes back to the arena while a retained image still serves from it;
+- ``resident-stale``: a retained image is served without checking that the file on storage is unchanged;
+- ``resident-lease``: eviction ignores leases (a load's image can be overwritten while it is read).
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import time
 
@@ -21,6 +25,7 @@ import pytest
 
 from lightning_datastates.callback import DataStatesCallback
 from lightning_datastates.plugin import DataStatesIO
+from lightning_datastates.snapshot import resident
 from lightning_datastates.snapshot.direct import WriteThrough
 from lightning_datastates.snapshot.engine import SnapshotEngine
 from lightning_datastates.snapshot.job import SnapshotJob
@@ -64,5 +69,29 @@ def _broken_variant(monkeypatch: pytest.MonkeyPatch) -> None:
             self.copied.set()
 
         monkeypatch.setattr(SnapshotJob, "mark_copied", mark_copied)
+    elif variant == "resident-free":
+        original_retain = resident.ResidentCache.retain
+
+        def retain(self, block, holders):
+            # Counts may go negative (evictions then never free the block a second time); once the images hold the
+            # block it goes back to the arena at once, while they still point at it.
+            self._refs = collections.defaultdict(int, self._refs)
+            original_retain(self, block, holders)
+            if block in self._refs:  # held (or the original freed it already)
+                del self._refs[block]
+                self._arena.free(block)
+
+        monkeypatch.setattr(resident.ResidentCache, "retain", retain)
+    elif variant == "resident-stale":
+        monkeypatch.setattr(resident, "_fingerprint", lambda writer, path: "unchanged")
+    elif variant == "resident-lease":
+        original_reclaim = resident.ResidentCache._reclaim
+
+        def reclaim(self):
+            for image in self._order:
+                image.leases = 0  # forget the loads reading them
+            return original_reclaim(self)
+
+        monkeypatch.setattr(resident.ResidentCache, "_reclaim", reclaim)
     elif variant:
         raise ValueError(f"unknown LDS_BROKEN variant {variant!r}")

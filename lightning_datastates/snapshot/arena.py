@@ -5,6 +5,10 @@ a block returns to the arena when its bytes are on storage. When the arena is fu
 waits for blocks to come back (back-pressure) instead of allocating more memory, so host memory for
 snapshots never exceeds the arena's size.
 
+Blocks may outlive their write: a :attr:`HostArena.reclaim` callback (the resident cache, see
+:mod:`~lightning_datastates.snapshot.resident`) keeps written blocks to serve loads from memory, and gives them
+back on demand: when an allocation finds no space, the arena asks it for blocks before waiting.
+
 Thread model: any thread may call :meth:`allocate` and :meth:`free`; in this package the copier thread
 allocates and the writer threads free.
 """
@@ -15,6 +19,7 @@ import bisect
 import ctypes
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -60,7 +65,11 @@ class HostArena:
         self._used_bytes = 0
         self._peak_used_bytes = 0
         self._closed = False
-        self._cond = threading.Condition()
+        self._cond = threading.Condition()  # an RLock inside: free() may run within allocate() (reclaimed blocks)
+        #: Called (with the arena's lock held) when an allocation finds no space: returns the blocks it gives back
+        #: (the arena frees them), an empty list if it let go of something that frees nothing yet, or None when it
+        #: holds nothing more it may give back (the allocation then waits). It must not call into the arena.
+        self.reclaim: Callable[[], list[Block] | None] | None = None
 
     # ------------------------------------------------------------------ allocation
     def allocate(self, nbytes: int, timeout_s: float | None = None) -> Block:
@@ -86,6 +95,8 @@ class HostArena:
                     self._used_bytes += block.reserved_bytes
                     self._peak_used_bytes = max(self._peak_used_bytes, self._used_bytes)
                     return Block(offset, nbytes)
+                if self._reclaim_one():
+                    continue  # something was given back: try again before waiting
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and (remaining <= 0 or not self._cond.wait(remaining)):
                     raise TimeoutError(f"no {nbytes} bytes free in the host arena after {timeout_s} s")
@@ -111,6 +122,18 @@ class HostArena:
             self._free.insert(index, (start, end - start))
             self._used_bytes -= size
             self._cond.notify_all()
+
+    def wake(self) -> None:
+        """Make waiting allocators look again (the reclaim callback may have something to give back now)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def _reclaim_one(self) -> bool:
+        """Ask the reclaim callback for blocks once (lock held); whether it let go of anything."""
+        reclaimed = None if self.reclaim is None else self.reclaim()
+        for block in reclaimed or ():
+            self.free(block)
+        return reclaimed is not None
 
     def close(self) -> None:
         """Wake and fail every waiter; later allocations fail too."""

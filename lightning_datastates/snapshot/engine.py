@@ -3,7 +3,8 @@
 ``capture`` (training thread) plans the file layout (the non-tensor skeleton is pickled there and then), opens
 a write session, copies the storages that may change before the next barrier (or are tiny) and returns; the
 copier thread moves every other storage into the host arena, chunk by chunk, while training goes on; writer
-threads write each chunk at its offset, free its block, and commit the file when the last byte is written.
+threads write each chunk at its offset, free its block (or, with ``serve_from_memory``, hand it to the resident
+cache, :mod:`~lightning_datastates.snapshot.resident`), and commit the file when the last byte is written.
 
 Threads are ordinary (non-daemon) threads: at interpreter exit they finish every pending checkpoint and then
 end by themselves, so a script that returns right after ``fit`` still leaves complete files.
@@ -43,7 +44,8 @@ from lightning_datastates.snapshot.chunks import Chunk, plan_chunks
 from lightning_datastates.snapshot.copier import CopierSet
 from lightning_datastates.snapshot.direct import WRITE_THROUGH_CHUNK_BYTES, WriteThrough
 from lightning_datastates.snapshot.job import JobState, SnapshotJob, SnapshotStats
-from lightning_datastates.snapshot.sharing import SharedCopies, SharingCounters
+from lightning_datastates.snapshot.resident import ResidentCache
+from lightning_datastates.snapshot.sharing import FollowerWrite, SharedCopies, SharingCounters
 from lightning_datastates.storage.base import StorageWriter
 
 log = logging.getLogger("lightning_datastates")
@@ -75,6 +77,7 @@ class SnapshotEngine:
     def __init__(self, config: DataStatesConfig) -> None:
         self.config = config
         self.arena: HostArena | None = None
+        self.resident: ResidentCache | None = None  # with serve_from_memory, created with the arena
         self.history: deque[SnapshotStats] = deque(maxlen=_HISTORY_LENGTH)
         self._copiers = CopierSet()
         self._lock = threading.Lock()
@@ -172,6 +175,8 @@ class SnapshotEngine:
                     host_chunks = [c for c in job.lazy_chunks if _all_in_host_memory(c, storages)]
                     job.write_through = WriteThrough(host_chunks, self._copier_wake) if host_chunks else None
             self._active.append(job)
+            if self.resident is not None:
+                self.resident.register(job, writer)
             self.history.append(job.stats)
             self._copy_queue.put(job)  # the copier queues the metadata write: one hand-over, nothing half-queued
         with self._copier_wake:
@@ -230,6 +235,8 @@ class SnapshotEngine:
         not yet reported), the file is kept.
         """
         self.cancel_path(path)
+        if self.resident is not None:
+            self.resident.drop_path(path)  # at once, even if the file itself goes only later
         with self._lock:
             if self._failures:  # a newer checkpoint already failed (not yet reported): keep this one
                 log.warning(
@@ -300,6 +307,19 @@ class SnapshotEngine:
         with self._lock:
             self._closing = False
 
+    def open_resident(self, path: str) -> io.RawIOBase | None:
+        """A reader over the committed checkpoint of ``path`` if it is still whole in the arena and the file on
+        storage is unchanged since; None otherwise. Close it when done: until then its bytes stay in the arena."""
+        return None if self.resident is None else self.resident.lease(path)
+
+    def held_arena_bytes(self) -> int:
+        """Arena bytes pending checkpoints (or loads reading retained ones) hold: retained checkpoints that an
+        allocation may evict do not count."""
+        if self.arena is None:
+            return 0
+        evictable = 0 if self.resident is None else self.resident.evictable_bytes()
+        return max(0, self.arena.used_bytes - evictable)  # two readings: a block freed in between
+
     @property
     def sharing_counters(self) -> SharingCounters:
         """Bytes copied into the arena so far, and bytes written from another checkpoint's copy instead."""
@@ -364,7 +384,7 @@ class SnapshotEngine:
             if skip:
                 return f"{len(pending)} earlier checkpoints are still being written"
             pending[0].finished.wait()
-        held = arena.used_bytes
+        held = self.held_arena_bytes()  # retained checkpoints give their space up on demand
         if skip and held and arena.size_bytes - held < min(layout.payload_bytes, arena.size_bytes):
             return f"the host arena ({arena.size_bytes} bytes) holds {held} bytes of earlier checkpoints"
         return None
@@ -388,6 +408,8 @@ class SnapshotEngine:
             size = self.config.arena_bytes_for(payload_bytes)
             # Pinned memory lets the CUDA copy engine write straight into the arena, asynchronously.
             self.arena = HostArena(size, pin_memory=torch.cuda.is_available())
+            if self.config.serve_from_memory:
+                self.resident = ResidentCache(self.arena)
             log.info("lightning_datastates: host arena of %.1f MiB allocated", self.arena.size_bytes / 2**20)
         return self.arena
 
@@ -567,8 +589,8 @@ class SnapshotEngine:
             finally:
                 if kind == "chunk":
                     assert self.arena is not None
-                    self._write_followers(task[2], _slicer(self.arena.memoryview(task[3])))
-                    self.arena.free(task[3])
+                    followers = self._write_followers(task[2], _slicer(self.arena.memoryview(task[3])))
+                    self._retire_block(job, task[2], task[3], followers)
                 job.release()
 
     def _write_chunk(self, job: SnapshotJob, chunk: Chunk, block: Any) -> None:
@@ -598,14 +620,18 @@ class SnapshotEngine:
             except BaseException as exc:  # noqa: BLE001 - reported on the training thread, never lost
                 job.fail(exc)
             # A follower's write is one whole piece of this chunk (sharing.py): found by its block offset.
-            self._write_followers(chunk, lambda offset, nbytes: views[offset][:nbytes])
+            for follower, _ in self._write_followers(chunk, lambda offset, nbytes: views[offset][:nbytes]):
+                follower.release()
         finally:
             job.write_through.done(chunk)
 
-    def _write_followers(self, chunk: Chunk, bytes_at: Callable[[int, int], memoryview]) -> None:
+    def _write_followers(
+        self, chunk: Chunk, bytes_at: Callable[[int, int], memoryview]
+    ) -> list[tuple[SnapshotJob, list[FollowerWrite]]]:
         """Write ``chunk``'s bytes (``bytes_at(block_offset, nbytes)``) into every checkpoint that shares it, at
-        that checkpoint's own offsets."""
-        for follower, writes in self._sharing.take_followers(chunk):
+        that checkpoint's own offsets; return those checkpoints (the caller releases them)."""
+        followers = self._sharing.take_followers(chunk)
+        for follower, writes in followers:
             try:
                 if not follower.stopped:
                     for write in writes:
@@ -614,7 +640,24 @@ class SnapshotEngine:
                         follower.add_written(write.nbytes)
             except BaseException as exc:  # noqa: BLE001 - reported on the training thread, never lost
                 follower.fail(exc)
-            finally:
+        return followers
+
+    def _retire_block(
+        self, job: SnapshotJob, chunk: Chunk, block: Any, followers: list[tuple[SnapshotJob, list[FollowerWrite]]]
+    ) -> None:
+        """``block`` is written: free it, or keep it for the checkpoints written from it (every job that did not
+        stop holds the ranges it wrote), then release the followers. Retained before the release, so a follower's
+        commit (on another writer thread) finds the block in its image."""
+        assert self.arena is not None
+        try:
+            if self.resident is None:
+                self.arena.free(block)
+            else:
+                holders = [(job, [(p.block_offset, p.file_offset, p.nbytes) for p in chunk.pieces])]
+                holders += [(f, [(w.block_offset, w.file_offset, w.nbytes) for w in writes]) for f, writes in followers]
+                self.resident.retain(block, [(holder, ranges) for holder, ranges in holders if not holder.stopped])
+        finally:
+            for follower, _ in followers:
                 follower.release()
 
     def _schedule_commit(self, job: SnapshotJob) -> None:
@@ -636,6 +679,8 @@ class SnapshotEngine:
                     job.path,
                 )
             job.state = JobState.FAILED if job.error is not None else JobState.CANCELLED
+        if self.resident is not None:
+            self.resident.settle(job)  # publish the image (or drop it) before anyone can see the job finished
         job.stats.state = job.state.value
         job.stats.durable_s = time.perf_counter() - job.stats.started_at
         if job.error is not None:

@@ -13,6 +13,7 @@ The commit lives in ``complete``: a backend must never publish a partially writt
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Hashable
 from typing import BinaryIO
 
 #: Leftovers whose writer cannot be asked whether it is alive (a temporary file of another host, an S3 upload with
@@ -59,6 +60,13 @@ class StorageWriter(ABC):
     @abstractmethod
     def open_read(self, path: str) -> BinaryIO:
         """A binary file object reading the committed file at ``path``."""
+
+    def fingerprint(self, path: str) -> Hashable | None:
+        """A cheap token that changes whenever the committed file at ``path`` is replaced or changed (metadata
+        only, no data read); None where this backend cannot tell (then a copy held in memory is never served in
+        place of the file), or when nothing is at ``path``.
+        """
+        return None
 
     @abstractmethod
     def clean_stale(self, directory: str, max_age_s: float = DEFAULT_STALE_AGE_S) -> list[str]:

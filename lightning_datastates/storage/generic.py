@@ -16,6 +16,7 @@ import posixpath
 import tempfile
 import time
 import uuid
+from collections.abc import Hashable
 from typing import Any, BinaryIO
 
 import fsspec
@@ -103,6 +104,16 @@ class GenericWriter(StorageWriter):
     def open_read(self, path: str) -> BinaryIO:
         """Open ``path`` for reading through fsspec."""
         return self.fs.open(self._strip(path), "rb")
+
+    def fingerprint(self, path: str) -> Hashable | None:
+        """fsspec's ``ukey`` of ``path`` (a hash of its info: size, time stamps, checksum where the backend has
+        one), asked afresh (the listing cache dropped first); None if it is missing or the backend cannot say."""
+        remote = self._strip(path)
+        try:
+            self.fs.invalidate_cache(remote)
+            return str(self.fs.ukey(remote))
+        except Exception:  # noqa: BLE001 - missing, or no ukey for this backend: never serve from memory
+            return None
 
     def remove(self, path: str) -> None:
         """Remove ``path`` (recursively for directories); missing is fine."""

@@ -30,7 +30,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from typing import BinaryIO
 
 from lightning_datastates.storage.base import DEFAULT_STALE_AGE_S, StorageWriter, WriteSession
@@ -218,6 +218,18 @@ class LocalWriter(StorageWriter):
     def open_read(self, path: str) -> BinaryIO:
         """Open ``path`` for reading."""
         return open(local_path(path), "rb")
+
+    def fingerprint(self, path: str) -> Hashable | None:
+        """Device, inode, size and modification time of ``path`` (one ``stat``); None if it is missing.
+
+        A commit renames a new inode onto the name, so any replacement changes the inode (or, for an in-place
+        write, the size or nanosecond mtime).
+        """
+        try:
+            st = os.stat(local_path(path))
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
     def remove(self, path: str) -> None:
         """Delete ``path`` (a file, or a directory tree as sharded strategies write); missing is fine."""

@@ -42,7 +42,7 @@ import random
 import re
 import threading
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, BinaryIO
@@ -595,6 +595,15 @@ class S3Writer(StorageWriter):
         """Whether an object (or a "directory" prefix) exists at ``path``; asks S3, not a listing cache."""
         self._invalidate(path)
         return bool(self.fs.exists(self._strip(path)))
+
+    def fingerprint(self, path: str) -> Hashable | None:
+        """ETag, size and modification time of the object at ``path`` (one HEAD request); None if it is missing."""
+        bucket, key = self._split(path)
+        try:
+            head = self._run(f"looking up {path}", lambda: self._call("head_object", Bucket=bucket, Key=key))
+        except S3NotFoundError:
+            return None
+        return (str(head["ETag"]), int(head["ContentLength"]), str(head.get("LastModified")))
 
     def remove(self, path: str) -> None:
         """Delete the object at ``path`` and every object under ``path/`` (sharded checkpoints); missing is fine.
