@@ -2,6 +2,11 @@
 
 Every load here is compared with what ``torch.load`` reads from the file itself; the counters of the resident
 cache (``hits``, ``misses``, ``evictions``) say whether memory or storage served it.
+
+Checkpoints reach the arena when their bytes come from a GPU, or go to storage whose writes are not fast (S3,
+direct I/O, gated test writers); host tensors written to a local page cache skip the arena (write-through,
+snapshot/direct.py) and are read back from the page cache instead. So most tests here mark local writes as slow
+(``arena_path``), which routes every byte through the arena as on those targets; the last test checks the default.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_datastates import ConfigError, DataStatesIO
 from lightning_datastates.snapshot.arena import HostArena
 from lightning_datastates.snapshot.resident import ResidentCounters
+from lightning_datastates.storage.local import PositionalFileSession
 from lightning_datastates.streams import SegmentReader
 from tests.conftest import (
     BNModel,
@@ -36,6 +42,25 @@ from tests.test_configs import ROOT, _plugin, _run_cli
 from tests.test_sharing import HoldWritesDuringSaves
 
 KiB, MiB = 1024, 1024**2
+
+
+@pytest.fixture(autouse=True)
+def arena_path(request, monkeypatch):
+    """Local writes count as slow (as S3 or direct I/O): lazy chunks go through the arena, not straight to the file."""
+    if "write_through_default" not in request.keywords:
+        monkeypatch.setattr(PositionalFileSession, "fast_writes", property(lambda self: False))
+
+
+@pytest.mark.write_through_default
+def test_written_through_checkpoints_load_from_storage_exactly(tmp_path) -> None:
+    plugin = DataStatesIO()
+    _, _, directory = _fit(tmp_path, plugin)
+    last = os.path.join(directory, "last.ckpt")
+    loaded = plugin.load_checkpoint(last, weights_only=False)
+    assert_bit_equal(loaded, _from_file(last))
+    # Its weights went straight from the tensors to the file, so the arena never held the whole checkpoint.
+    assert _counters(plugin).hits == 0
+    plugin.teardown()
 
 
 def _counters(plugin: DataStatesIO) -> ResidentCounters:
