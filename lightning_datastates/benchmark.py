@@ -73,6 +73,7 @@ from typing import Any
 
 import lightning as L
 import torch
+import yaml  # type: ignore[import-untyped]  # PyYAML comes with lightning; no stubs needed here
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO, CheckpointIO, TorchCheckpointIO
 
@@ -691,13 +692,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _options(pairs: list[str]) -> dict[str, Any]:
-    """``["writer_threads=2", "chunk_size=32MiB"]`` -> ``{"writer_threads": 2, "chunk_size": "32MiB"}``."""
+    """``["writer_threads=2", "chunk_size=32MiB", "serve_from_memory=false"]`` ->
+    ``{"writer_threads": 2, "chunk_size": "32MiB", "serve_from_memory": False}``: values read as in a yaml config."""
     options: dict[str, Any] = {}
     for pair in pairs:
         name, sep, value = pair.partition("=")
         if not sep or not name:
             raise SystemExit(f"--datastates expects NAME=VALUE, got {pair!r}")
-        options[name.strip()] = int(value) if value.strip().isdigit() else value.strip()
+        options[name.strip()] = yaml.safe_load(value) if value.strip() else ""
     return options
 
 

@@ -140,7 +140,7 @@ class DataStatesIO(CheckpointIO):
             # state before then: everything may be copied (or written straight from host memory) after the capture.
             lazy = (owner.lazy_predicate() if owner is not None else None) if in_training_loop else _every_storage
             with sigint_deferred():  # Ctrl+C must not split a capture (see interrupts.py)
-                stats = self.engine.capture(checkpoint, path, writer, lazy, may_skip=in_training_loop)
+                stats = self.engine.capture(checkpoint, path, writer, lazy, awaits_commit=not in_training_loop)
         except OSError as exc:
             raise CheckpointFlushError(f"cannot write checkpoint {path}: {exc}", path) from exc
         if not in_training_loop:

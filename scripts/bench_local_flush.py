@@ -74,6 +74,7 @@ def main() -> None:
         # Rotate the order: each method runs first, second, ... in turn (page-cache state differs).
         shift = round_ % len(methods)
         for method in methods[shift:] + methods[:shift]:
+            os.sync()  # untimed: the previous method's dirty pages must not be flushed on this one's time
             method(round_)
         for name in (f"raw{round_}.bin", f"torch{round_}.ckpt", f"ds{round_}.ckpt", f"dsd{round_}.ckpt"):
             os.unlink(os.path.join(directory, name))

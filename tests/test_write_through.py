@@ -102,18 +102,25 @@ def test_barrier_waits_for_chunks_in_flight_and_copies_the_rest(tmp_path, monkey
     plugin.teardown()
 
 
-def test_lazy_checkpoint_written_through_before_the_barrier_needs_no_wait(tmp_path):
-    plugin = in_background(DataStatesIO(chunk_size="1MiB"), lazy=True)
+def test_in_the_loop_the_copier_takes_chunks_from_the_back_without_waiting_for_the_barrier(tmp_path, monkeypatch):
+    writer = _HeldWriter()
+    monkeypatch.setattr("lightning_datastates.plugin.writer_for", lambda path, storage_options=None: writer)
+    plugin = in_background(DataStatesIO(chunk_size="1MiB", writer_threads=1), lazy=True)
     checkpoint = _checkpoint()
     expected = copy.deepcopy(checkpoint)
     plugin.save_checkpoint(checkpoint, str(tmp_path / "a.ckpt"))
+    assert writer.entered.wait(timeout=30)
+    small = expected["small"].untyped_storage().nbytes()
+    # The one writer holds the first chunk (from the tensors); no barrier yet: the copier copies the rest anyway.
     deadline = time.monotonic() + 30
-    while plugin.is_pending(str(tmp_path / "a.ckpt")) and time.monotonic() < deadline:
-        time.sleep(0.01)  # a long forward and backward: the writes end before the next optimizer step
-    assert plugin.barrier() == 0.0
+    while plugin.engine.sharing_counters.copied_bytes - small < _payload_bytes(expected) - MiB:
+        assert time.monotonic() < deadline, "the copier waited instead of copying from the back"
+        time.sleep(0.01)
+    writer.release.set()
+    plugin.barrier()
     for tensor in checkpoint["state_dict"].values():
         tensor.zero_()
     plugin.drain()
     assert_bit_equal(torch.load(tmp_path / "a.ckpt", weights_only=True), expected)
-    assert plugin.engine.sharing_counters.copied_bytes < 64 * 1024
+    assert plugin.engine.sharing_counters.copied_bytes - small == _payload_bytes(expected) - MiB  # none twice
     plugin.teardown()

@@ -7,13 +7,19 @@ The barrier ends that: from the moment it starts, no writer may start another ch
 started are copied into the arena as usual (and written from there), and the barrier returns once the chunks being
 written from the sources are done.
 
+Writes run at storage speed, copies at memory speed: if the copier waited for the barrier, the barrier would find
+most of a large checkpoint still to copy. So inside the training loop the copier does not wait: it copies chunks into
+the arena from the last one backwards while the writers take chunks from the front, and they meet somewhere in the
+middle; what the writers took was never copied. When no barrier can come before the commit (a save outside the
+training loop, whose caller waits for the commit) the copier leaves every chunk to the writers.
+
 :class:`WriteThrough` is the per-checkpoint gate that decides, chunk by chunk, who takes each chunk (a writer,
 straight from the sources, or the copier, into the arena), so that no chunk is taken twice and none is read from the
 sources after the barrier returned. All its state is guarded by one condition shared with the copier thread, which
 waits on it.
 
 Thread model: :meth:`WriteThrough.claim` and :meth:`WriteThrough.done` run on writer threads, :meth:`WriteThrough.close`
-on the training thread (the barrier), :meth:`WriteThrough.wait` on the copier thread.
+on the training thread (the barrier), :meth:`WriteThrough.take_last` on the copier thread.
 """
 
 from __future__ import annotations
@@ -41,10 +47,14 @@ class WriteThrough:
     Args:
         chunks: the chunks that may be written through (all sources in host memory).
         condition: the condition the copier thread waits on; every change here notifies it.
+        copier_races: the copier takes chunks from the back (into the arena) while writers take them from the front,
+            so that a barrier finds little left to copy; False when no barrier can come before the commit (the
+            writers then take every chunk, and nothing is copied).
     """
 
-    def __init__(self, chunks: list[Chunk], condition: threading.Condition) -> None:
+    def __init__(self, chunks: list[Chunk], condition: threading.Condition, copier_races: bool = True) -> None:
         self.chunks = chunks
+        self.copier_races = copier_races
         self._cond = condition
         self._states = {id(chunk): _ChunkState.PENDING for chunk in chunks}
         self._open = True
@@ -76,11 +86,18 @@ class WriteThrough:
         with self._cond:
             return not self._open
 
-    def take_unwritten(self) -> list[Chunk]:
-        """Copier thread, once the gate is closed: the chunks nobody took, now the copier's to copy into the arena."""
+    def take_last(self) -> Chunk | None:
+        """Copier thread: the last chunk nobody took, now the copier's to copy into the arena; None if none is left."""
         with self._cond:
-            if self._open:
-                raise RuntimeError("take_unwritten before the barrier closed the gate")
+            for chunk in reversed(self.chunks):
+                if self._states[id(chunk)] is _ChunkState.PENDING:
+                    self._states[id(chunk)] = _ChunkState.COPIED
+                    return chunk
+            return None
+
+    def take_unwritten(self) -> list[Chunk]:
+        """Copier thread: every chunk nobody took, now the copier's (after a failure: they will never be written)."""
+        with self._cond:
             taken = [chunk for chunk in self.chunks if self._states[id(chunk)] is _ChunkState.PENDING]
             for chunk in taken:
                 self._states[id(chunk)] = _ChunkState.COPIED

@@ -104,14 +104,20 @@ class SnapshotEngine:
         path: str,
         writer: StorageWriter,
         lazy: LazyPredicate | None,
-        may_skip: bool | None = None,
+        awaits_commit: bool = False,
     ) -> SnapshotStats:
         """Snapshot ``checkpoint`` for ``path`` and return once training may go on.
 
         Storages for which ``lazy`` answers True are copied in the background, or written straight from host memory
         (the caller guarantees a barrier, :meth:`wait_copies`, before they can change); all others are in host memory
-        when this returns. With ``lazy=None`` everything is. ``may_skip`` (default: whether ``lazy`` is given): the
-        save may be skipped by ``on_arena_full="skip"``.
+        when this returns. With ``lazy=None`` everything is.
+
+        Lazy chunks of host tensors bound for fast storage are written straight from the tensors by writer threads
+        (snapshot/direct.py). Normally the copier copies the same job's chunks into the arena from the last one
+        backwards meanwhile, so that little is left to copy when the barrier comes. With ``awaits_commit`` the caller
+        changes nothing before this checkpoint is committed (no barrier comes first): then the copier leaves every
+        such chunk to the writers, and the checkpoint is written without any copy. Such a save is never skipped by
+        ``on_arena_full="skip"``.
 
         Raises:
             CheckpointCaptureError: the checkpoint cannot be pickled (nothing was written).
@@ -120,7 +126,7 @@ class SnapshotEngine:
         started_at = time.perf_counter()
         layout, storages = self._plan(checkpoint)
         arena = self._ensure_arena(layout.payload_bytes)
-        skip_reason = self._admit(layout, arena, may_skip=lazy is not None if may_skip is None else may_skip)
+        skip_reason = self._admit(layout, arena, may_skip=lazy is not None and not awaits_commit)
         if skip_reason is not None:
             return self._skip(path, layout, started_at, skip_reason)
         chunk_bytes = max(4096, min(self.config.chunk_bytes, arena.size_bytes // 4))
@@ -173,7 +179,11 @@ class SnapshotEngine:
                 job.lazy_chunks = self._plan_shared_lazy_copy(job, lazy_records, storages, chunk_bytes)
                 if through:
                     host_chunks = [c for c in job.lazy_chunks if _all_in_host_memory(c, storages)]
-                    job.write_through = WriteThrough(host_chunks, self._copier_wake) if host_chunks else None
+                    job.write_through = (
+                        WriteThrough(host_chunks, self._copier_wake, copier_races=not awaits_commit)
+                        if host_chunks
+                        else None
+                    )
             self._active.append(job)
             if self.resident is not None:
                 self.resident.register(job, writer)
@@ -484,10 +494,15 @@ class SnapshotEngine:
             self._finish_copy(job)
 
     def _copy_unwritten(self, job: SnapshotJob, through: WriteThrough) -> None:
-        """Wait until writers wrote all of ``through``'s chunks from the sources, or until a barrier closed it; then
-        copy the chunks nobody took into the arena (as any lazy chunk)."""
-        self._wait_copier(lambda: through.settled() or through.closed)
-        for chunk in through.take_unwritten() if through.closed else []:
+        """Copy the chunks of ``through`` that writers did not take into the arena (as any lazy chunk), the last one
+        first, while writers take chunks from the front. Without ``copier_races`` (nothing changes the sources before
+        the commit) wait instead until the writers wrote them all, or until a barrier closed the gate."""
+        while True:
+            if not through.copier_races:
+                self._wait_copier(lambda: through.settled() or through.closed)
+            chunk = through.take_last()
+            if chunk is None:
+                return
             self._copy_newer_eager()
             self._copy_chunk(job, chunk)
 
