@@ -10,13 +10,11 @@ Variants alternate within each round. Prints medians.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
-import tempfile
 import time
 
-import torch
+from bench_common import parse_args, random_checkpoint
 
 from lightning_datastates import DataStatesIO
 from lightning_datastates.checksums import WINDOW_BYTES
@@ -42,14 +40,8 @@ class WindowedSession:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("directory", nargs="?", default=None)
-    parser.add_argument("--mib", type=int, default=512, help="checkpoint size in MiB")
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
-    directory = args.directory or tempfile.mkdtemp(prefix="datastates-bench-")
-    tensors = {f"w{i}": torch.randn(args.mib * 2**18 // 16) for i in range(16)}  # 16 tensors, float32
-    checkpoint = {"state_dict": tensors, "epoch": 0}
+    args, directory = parse_args(__doc__, rounds=5)
+    checkpoint = random_checkpoint(args.mib)
     plugin, unverified = DataStatesIO(), DataStatesIO(verify_checksums=False)
     path = os.path.join(directory, "bench.ckpt")
     plugin.save_checkpoint(checkpoint, path)  # allocates the arena

@@ -11,26 +11,16 @@ Prints the median of ``--rounds`` and the ratio torch.load time / DataStatesIO t
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from bench_common import evict_from_page_cache, parse_args, random_checkpoint
 
 from lightning_datastates import DataStatesIO
-
-
-def _evict(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def _touch(loaded: Any) -> None:
@@ -40,7 +30,7 @@ def _touch(loaded: Any) -> None:
 
 def _time(load: Callable[[], Any], path: str, cold: bool) -> float:
     if cold:
-        _evict(path)
+        evict_from_page_cache(path)
     else:
         _touch(load())  # warm: the file is in the page cache
     started = time.perf_counter()
@@ -49,14 +39,9 @@ def _time(load: Callable[[], Any], path: str, cold: bool) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("directory", nargs="?", default=None)
-    parser.add_argument("--mib", type=int, default=512, help="checkpoint size in MiB")
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
-    directory = args.directory or tempfile.mkdtemp(prefix="datastates-bench-")
+    args, directory = parse_args(__doc__, rounds=3)
     path = os.path.join(directory, "model.ckpt")
-    checkpoint = {"state_dict": {f"w{i}": torch.randn(args.mib * 2**18 // 16) for i in range(16)}, "epoch": 0}
+    checkpoint = random_checkpoint(args.mib)
     writer = DataStatesIO()
     writer.save_checkpoint(checkpoint, path)
     writer.teardown()

@@ -8,13 +8,12 @@ commit (``SnapshotStats.durable_s``), with the copy into the host arena included
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
-import tempfile
 import time
 
 import torch
+from bench_common import parse_args, random_checkpoint
 
 from lightning_datastates import DataStatesIO
 
@@ -38,14 +37,8 @@ def _torch_save(path: str, checkpoint: dict) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("directory", nargs="?", default=None)
-    parser.add_argument("--mib", type=int, default=512, help="checkpoint size in MiB")
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
-    directory = args.directory or tempfile.mkdtemp(prefix="datastates-bench-")
-    tensors = {f"w{i}": torch.randn(args.mib * 2**18 // 16) for i in range(16)}  # 16 tensors, float32
-    checkpoint = {"state_dict": tensors, "epoch": 0}
+    args, directory = parse_args(__doc__, rounds=3)
+    checkpoint = random_checkpoint(args.mib)
     plugin = DataStatesIO()
     direct = DataStatesIO(storage_alignment=4096)
     plugin.save_checkpoint(checkpoint, os.path.join(directory, "warmup.ckpt"))  # allocates the arena

@@ -12,32 +12,23 @@ every loaded tensor. Prints the median of ``--rounds`` and each time divided by 
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from bench_common import evict_from_page_cache, parse_args, random_checkpoint
 
 from lightning_datastates import DataStatesIO
-
-
-def _evict(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def _timed(load: Callable[[], Any], path: str | None = None, cold: bool = False) -> float:
     """Seconds of one load; ``cold``: ``path`` evicted from the page cache first, else loaded once untimed."""
     if cold and path is not None:
-        _evict(path)
+        evict_from_page_cache(path)
     elif path is not None:
         _timed(load)  # warm: the file (and the allocator) as a load just left them
     started = time.perf_counter()
@@ -48,15 +39,13 @@ def _timed(load: Callable[[], Any], path: str | None = None, cold: bool = False)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("directory", nargs="?", default=None)
-    parser.add_argument("--mib", type=int, default=512, help="checkpoint size in MiB")
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
-    directory = args.directory or tempfile.mkdtemp(prefix="datastates-bench-")
+    args, directory = parse_args(__doc__, rounds=5)
     path = os.path.join(directory, "model.ckpt")
-    checkpoint = {"state_dict": {f"w{i}": torch.randn(args.mib * 2**18 // 16) for i in range(16)}, "epoch": 0}
+    checkpoint = random_checkpoint(args.mib)
     resident = DataStatesIO(host_cache=f"{args.mib + 64}MiB")
+    # Host tensors to a local file would be written straight from the tensors (write-through), never via the arena;
+    # a checkpoint from a GPU, or bound for S3 or direct I/O, goes through the arena as this one does.
+    resident.config = dataclasses.replace(resident.config, write_through=False)
     resident.save_checkpoint(checkpoint, path)  # outside fit: returns once committed; its image stays in the arena
     del checkpoint
     from_storage, unverified = DataStatesIO(), DataStatesIO(verify_checksums=False)

@@ -75,13 +75,19 @@ class _HeldWriter(LocalWriter):
         return _Session(session.path, session.temp_path, session._fd)  # type: ignore[arg-type]
 
 
-def test_barrier_waits_for_chunks_in_flight_and_copies_the_rest(tmp_path, monkeypatch):
+def _save_with_first_chunk_held(tmp_path, monkeypatch) -> tuple[DataStatesIO, _HeldWriter, dict, dict]:
+    """A lazy save inside the (simulated) training loop, through one writer thread that holds its first chunk."""
     writer = _HeldWriter()
     monkeypatch.setattr("lightning_datastates.plugin.writer_for", lambda path, storage_options=None: writer)
     plugin = in_background(DataStatesIO(chunk_size="1MiB", writer_threads=1), lazy=True)
     checkpoint = _checkpoint()
     expected = copy.deepcopy(checkpoint)
     plugin.save_checkpoint(checkpoint, str(tmp_path / "a.ckpt"))
+    return plugin, writer, checkpoint, expected
+
+
+def test_barrier_waits_for_chunks_in_flight_and_copies_the_rest(tmp_path, monkeypatch):
+    plugin, writer, checkpoint, expected = _save_with_first_chunk_held(tmp_path, monkeypatch)
     assert writer.entered.wait(timeout=30), "no chunk was written from the training tensors"
 
     barrier = threading.Thread(target=plugin.barrier)
@@ -103,12 +109,7 @@ def test_barrier_waits_for_chunks_in_flight_and_copies_the_rest(tmp_path, monkey
 
 
 def test_in_the_loop_the_copier_takes_chunks_from_the_back_without_waiting_for_the_barrier(tmp_path, monkeypatch):
-    writer = _HeldWriter()
-    monkeypatch.setattr("lightning_datastates.plugin.writer_for", lambda path, storage_options=None: writer)
-    plugin = in_background(DataStatesIO(chunk_size="1MiB", writer_threads=1), lazy=True)
-    checkpoint = _checkpoint()
-    expected = copy.deepcopy(checkpoint)
-    plugin.save_checkpoint(checkpoint, str(tmp_path / "a.ckpt"))
+    plugin, writer, checkpoint, expected = _save_with_first_chunk_held(tmp_path, monkeypatch)
     assert writer.entered.wait(timeout=30)
     small = expected["small"].untyped_storage().nbytes()
     # The one writer holds the first chunk (from the tensors); no barrier yet: the copier copies the rest anyway.
