@@ -127,6 +127,9 @@ def test_uploading_process_killed_mid_upload_leaves_no_partial_object_and_the_ne
     killed = _uploader(s3.endpoint, "s3://bucket/run/killed", stop_file)
     alive = _uploader(s3.endpoint, "s3://bucket/run/alive", stop_file)
     try:
+        # The live writer cleans the directory once, at its first save: that must be over before the other dies (a
+        # live process rightly aborts a dead one's upload, as the next run does below), so wait for its first upload.
+        _wait_mid_upload(s3, "run/alive", alive, committed_first=False)
         killed_key = _stop_mid_upload(s3, "run/killed", killed, committed_first=True)
         killed.send_signal(signal.SIGKILL)  # mid-upload: parts stored, the commit never comes
         killed.wait(GUARD_S)

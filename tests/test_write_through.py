@@ -6,10 +6,12 @@ import copy
 import dataclasses
 import threading
 import time
+from typing import Any
 
 import torch
 
 from lightning_datastates import DataStatesIO
+from lightning_datastates.snapshot.direct import WriteThrough
 from lightning_datastates.storage.local import LocalWriter, LocalWriteSession
 from tests.conftest import assert_bit_equal, in_background
 
@@ -76,9 +78,20 @@ class _HeldWriter(LocalWriter):
 
 
 def _save_with_first_chunk_held(tmp_path, monkeypatch) -> tuple[DataStatesIO, _HeldWriter, dict, dict]:
-    """A lazy save inside the (simulated) training loop, through one writer thread that holds its first chunk."""
+    """A lazy save inside the (simulated) training loop, through one writer thread that holds its first chunk.
+
+    The copier takes chunks from the back only once the writer holds the first one: on a loaded machine it could
+    otherwise take every chunk before the writer starts (correct, but then nothing is written through).
+    """
     writer = _HeldWriter()
     monkeypatch.setattr("lightning_datastates.plugin.writer_for", lambda path, storage_options=None: writer)
+    take_last = WriteThrough.take_last
+
+    def take_last_once_the_writer_holds_a_chunk(self: WriteThrough) -> Any:
+        writer.entered.wait(timeout=30)
+        return take_last(self)
+
+    monkeypatch.setattr(WriteThrough, "take_last", take_last_once_the_writer_holds_a_chunk)
     plugin = in_background(DataStatesIO(chunk_size="1MiB", writer_threads=1), lazy=True)
     checkpoint = _checkpoint()
     expected = copy.deepcopy(checkpoint)
