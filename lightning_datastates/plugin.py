@@ -37,7 +37,8 @@ class DataStatesIO(CheckpointIO):
 
     Inside fit's training loop, ``save_checkpoint`` snapshots the non-tensor part of the checkpoint and the
     tensors that may change before the next optimizer step, then returns; parameters and optimizer state are
-    copied into a host arena while the next forward and backward run, and written to storage in the background
+    copied into a host arena while the next forward and backward run (tensors already in host memory, bound for a
+    local file, are partly written straight from the state instead), and written to storage in the background
     (the end of fit waits for them). Anywhere else (``trainer.save_checkpoint`` after fit, ``validate``, the
     plugin used on its own) it returns once the file is committed, as Lightning's default does. Files are plain
     Lightning checkpoints, published atomically under their final name once complete.
