@@ -158,10 +158,7 @@ class HostArena:
 
     def memoryview(self, block: Block) -> memoryview:
         """A writable memoryview over the block's bytes, for ``os.pwrite`` and friends (no copy)."""
-        if block.nbytes == 0:
-            return memoryview(b"")
-        address = self.buffer.data_ptr() + block.offset
-        return memoryview((ctypes.c_char * block.nbytes).from_address(address)).cast("B")
+        return address_view(self.buffer.data_ptr() + block.offset, block.nbytes)
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -175,6 +172,14 @@ class HostArena:
         """Most bytes ever reserved at once."""
         with self._cond:
             return self._peak_used_bytes
+
+
+def address_view(address: int, nbytes: int) -> memoryview:
+    """A writable byte memoryview of ``nbytes`` bytes of host memory at ``address`` (no copy; valid while the memory
+    it points into lives)."""
+    if nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
 
 
 def _align_up(nbytes: int) -> int:

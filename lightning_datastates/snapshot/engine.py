@@ -15,7 +15,6 @@ to a :class:`~lightning_datastates.storage.base.StorageWriter`.
 
 from __future__ import annotations
 
-import ctypes
 import io
 import logging
 import os
@@ -39,7 +38,7 @@ from lightning_datastates.layout import (
     plan_serialized_layout,
     storage_alignment,
 )
-from lightning_datastates.snapshot.arena import HostArena
+from lightning_datastates.snapshot.arena import HostArena, address_view
 from lightning_datastates.snapshot.chunks import Chunk, plan_chunks
 from lightning_datastates.snapshot.copier import CopierSet
 from lightning_datastates.snapshot.direct import WRITE_THROUGH_CHUNK_BYTES, WriteThrough
@@ -173,7 +172,7 @@ class SnapshotEngine:
             self._latest_by_path[path] = job
             if lazy is not None:
                 lazy_records = [r for r in layout.records if r.key not in eager_keys]
-                through = self.config.write_through and getattr(session, "fast_writes", False)
+                through = self.config.write_through and session.fast_writes
                 if through:  # small chunks: a barrier waits for those being written (snapshot/direct.py)
                     chunk_bytes = min(chunk_bytes, WRITE_THROUGH_CHUNK_BYTES)
                 job.lazy_chunks = self._plan_shared_lazy_copy(job, lazy_records, storages, chunk_bytes)
@@ -598,21 +597,26 @@ class SnapshotEngine:
                             job.session.write_range(offset, memoryview(data))
                             job.add_written(len(data))
                     else:
-                        self._write_chunk(job, task[2], task[3])
+                        self._write_chunk(job, task[2], self._block_bytes(task[3]))
             except BaseException as exc:  # noqa: BLE001 - reported on the training thread, never lost
                 job.fail(exc)
             finally:
                 if kind == "chunk":
                     assert self.arena is not None
-                    followers = self._write_followers(task[2], _slicer(self.arena.memoryview(task[3])))
+                    followers = self._write_followers(task[2], self._block_bytes(task[3]))
                     self._retire_block(job, task[2], task[3], followers)
                 job.release()
 
-    def _write_chunk(self, job: SnapshotJob, chunk: Chunk, block: Any) -> None:
+    def _block_bytes(self, block: Any) -> Callable[[int, int], memoryview]:
+        """``bytes_at(offset, nbytes)`` over an arena block."""
         assert self.arena is not None
-        view = self.arena.memoryview(block)
+        return _slicer(self.arena.memoryview(block))
+
+    def _write_chunk(self, job: SnapshotJob, chunk: Chunk, bytes_at: Callable[[int, int], memoryview]) -> None:
+        """Write ``chunk``'s pieces into ``job``'s file, each from ``bytes_at(block_offset, nbytes)`` (its arena
+        block, or the training tensors themselves)."""
         for piece in chunk.pieces:
-            job.session.write_range(piece.file_offset, view[piece.block_offset : piece.block_offset + piece.nbytes])
+            job.session.write_range(piece.file_offset, bytes_at(piece.block_offset, piece.nbytes))
             job.add_written(piece.nbytes)
 
     def _write_through(self, job: SnapshotJob, chunk: Chunk) -> None:
@@ -627,15 +631,17 @@ class SnapshotEngine:
                 return
             assert job.sources is not None  # dropped only once no chunk is being written (the copy's end waits)
             views = {p.block_offset: _host_bytes(job.sources[p.key], p.source_offset, p.nbytes) for p in chunk.pieces}
+
+            # Pieces and followers' writes are whole pieces of this chunk (sharing.py): found by their block offset.
+            def bytes_at(offset: int, nbytes: int) -> memoryview:
+                return views[offset][:nbytes]
+
             try:
                 if not job.stopped:
-                    for piece in chunk.pieces:
-                        job.session.write_range(piece.file_offset, views[piece.block_offset])
-                        job.add_written(piece.nbytes)
+                    self._write_chunk(job, chunk, bytes_at)
             except BaseException as exc:  # noqa: BLE001 - reported on the training thread, never lost
                 job.fail(exc)
-            # A follower's write is one whole piece of this chunk (sharing.py): found by its block offset.
-            for follower, _ in self._write_followers(chunk, lambda offset, nbytes: views[offset][:nbytes]):
+            for follower, _ in self._write_followers(chunk, bytes_at):
                 follower.release()
         finally:
             job.write_through.done(chunk)
@@ -778,9 +784,7 @@ def _all_in_host_memory(chunk: Chunk, storages: list[torch.UntypedStorage]) -> b
 
 def _host_bytes(storage: torch.UntypedStorage, offset: int, nbytes: int) -> memoryview:
     """A memoryview of ``nbytes`` bytes of the host ``storage`` from ``offset`` (no copy; valid while it lives)."""
-    if nbytes == 0:
-        return memoryview(b"")
-    return memoryview((ctypes.c_char * nbytes).from_address(storage.data_ptr() + offset)).cast("B")
+    return address_view(storage.data_ptr() + offset, nbytes)
 
 
 def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
