@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 import struct
 import threading
 import zlib
@@ -134,13 +135,16 @@ class ChecksummingSession(WriteSession):
         """Checksum the parts of ``data`` that belong to records, write ``data``, then any finished record's CRC.
 
         Large ranges go through in windows, each checksummed and then written while it is still in the CPU
-        cache: the bytes are read from memory once, not once for the CRC and again for the write.
+        cache: the bytes are read from memory once, not once for the CRC and again for the write. Windows end at
+        file offsets that are multiples of :data:`WINDOW_BYTES`, so that with direct I/O only the range's own ends
+        can be partial blocks.
         """
         view = memoryview(data).cast("B")
         end = offset + view.nbytes
         running: dict[int, tuple[int, int, int]] = {}  # slot index -> (first byte, bytes so far, running CRC-32)
-        for window in range(offset, end, WINDOW_BYTES):
-            window_end = min(end, window + WINDOW_BYTES)
+        # Window bounds: offset, the multiples of WINDOW_BYTES in between, end (no window when there are no bytes).
+        bounds = [offset, *range(offset - offset % WINDOW_BYTES + WINDOW_BYTES, end, WINDOW_BYTES), end]
+        for window, window_end in itertools.pairwise(bounds if view.nbytes else ()):
             index = max(0, bisect.bisect_right(self._starts, window) - 1)
             while index < len(self._slots) and self._slots[index].data_offset < window_end:
                 slot = self._slots[index]
@@ -181,6 +185,11 @@ class ChecksummingSession(WriteSession):
     def fast_writes(self) -> bool:  # type: ignore[override]
         """As the wrapped session's."""
         return self.inner.fast_writes
+
+    @property
+    def direct_alignment(self) -> int | None:  # type: ignore[override]
+        """As the wrapped session's."""
+        return self.inner.direct_alignment
 
     def __getattr__(self, name: str) -> Any:
         # Backend details of the wrapped session (a temporary path, an upload id) stay reachable for diagnostics.

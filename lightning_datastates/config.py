@@ -20,6 +20,9 @@ FlushErrorPolicy = Literal["raise", "warn"]
 #: What a save does when earlier checkpoints still hold the host arena: ``wait`` for their flush (back-pressure), or
 #: ``skip`` this checkpoint with a warning (nothing is written for it, and the removals it would allow are dropped).
 ArenaFullPolicy = Literal["wait", "skip"]
+#: Local writes: ``"auto"`` writes whole aligned blocks with direct I/O (``O_DIRECT``) where the file system takes it
+#: and through the page cache elsewhere, quietly; True the same, with a warning where refused; False: page cache.
+DirectIO = bool | Literal["auto"]
 #: Default of ``stale_after_s``: leftovers whose writer cannot be asked are removed once an hour old.
 DEFAULT_STALE_AFTER_S = 3600.0
 
@@ -89,6 +92,7 @@ class DataStatesConfig:
     verify_checksums: bool = True
     storage_alignment: int | None = None
     serve_from_memory: bool = True
+    direct_io: DirectIO = "auto"
     # Not a user setting: lazy chunks of host tensors are written straight from them when the storage takes writes
     # at memory speed (snapshot/direct.py). Tests turn it off to exercise the arena path on the CPU.
     write_through: bool = True
@@ -107,6 +111,7 @@ class DataStatesConfig:
         verify_checksums: bool = True,
         storage_alignment: Size | None = None,
         serve_from_memory: bool = True,
+        direct_io: DirectIO = "auto",
     ) -> DataStatesConfig:
         """Validate user-facing arguments (as given to the constructor or in yaml)."""
         host_cache_bytes = None if host_cache is None else parse_size(host_cache, "host_cache")
@@ -122,11 +127,17 @@ class DataStatesConfig:
             raise ConfigError(f"verify_checksums must be True or False, got {verify_checksums!r}")
         if not isinstance(serve_from_memory, bool):
             raise ConfigError(f"serve_from_memory must be True or False, got {serve_from_memory!r}")
+        if not (isinstance(direct_io, bool) or direct_io == "auto"):
+            raise ConfigError(
+                f"direct_io must be 'auto' (direct I/O for local files where the file system supports it), True (the "
+                f"same, warning where it does not) or False (always the page cache), got {direct_io!r}"
+            )
         _check_fault_policies(on_flush_error, on_arena_full, stale_after_s)
         alignment = None if storage_alignment is None else parse_size(storage_alignment, "storage_alignment")
         if alignment is not None and not (alignment & (alignment - 1) == 0 and 64 <= alignment <= MAX_ALIGNMENT):
             raise ConfigError(
-                f"storage_alignment must be a power of two from 64 to {MAX_ALIGNMENT} bytes (4096 for direct I/O), "
+                f"storage_alignment must be a power of two from 64 to {MAX_ALIGNMENT} bytes (4096: every tensor on "
+                "its own disk blocks), "
                 f"or None; got {storage_alignment!r}"
             )
         return cls(
@@ -141,6 +152,7 @@ class DataStatesConfig:
             verify_checksums=verify_checksums,
             storage_alignment=alignment,
             serve_from_memory=serve_from_memory,
+            direct_io=direct_io,
         )
 
     def arena_bytes_for(self, payload_bytes: int) -> int:

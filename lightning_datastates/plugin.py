@@ -18,7 +18,14 @@ import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import CheckpointIO
 
-from lightning_datastates.config import DEFAULT_STALE_AFTER_S, ArenaFullPolicy, DataStatesConfig, FlushErrorPolicy, Size
+from lightning_datastates.config import (
+    DEFAULT_STALE_AFTER_S,
+    ArenaFullPolicy,
+    DataStatesConfig,
+    DirectIO,
+    FlushErrorPolicy,
+    Size,
+)
 from lightning_datastates.errors import CheckpointFlushError
 from lightning_datastates.interrupts import sigint_deferred
 from lightning_datastates.reader import load_checkpoint
@@ -37,11 +44,11 @@ class DataStatesIO(CheckpointIO):
 
     Inside fit's training loop, ``save_checkpoint`` snapshots the non-tensor part of the checkpoint and the
     tensors that may change before the next optimizer step, then returns; parameters and optimizer state are
-    copied into a host arena while the next forward and backward run (tensors already in host memory, bound for a
-    local file, are partly written straight from the state instead), and written to storage in the background
-    (the end of fit waits for them). Anywhere else (``trainer.save_checkpoint`` after fit, ``validate``, the
-    plugin used on its own) it returns once the file is committed, as Lightning's default does. Files are plain
-    Lightning checkpoints, published atomically under their final name once complete.
+    copied into a host arena while the next forward and backward run, and written to storage from there in the
+    background, local files with direct I/O where the file system supports it (the end of fit waits for them).
+    Anywhere else (``trainer.save_checkpoint`` after fit, ``validate``, the plugin used on its own) it returns once
+    the file is committed, as Lightning's default does. Files are plain Lightning checkpoints, published atomically
+    under their final name once complete.
 
     Args:
         host_cache: host memory for snapshots (bytes, or a string such as ``"8GiB"``). ``None`` (default) sizes it
@@ -69,12 +76,17 @@ class DataStatesIO(CheckpointIO):
         verify_checksums: check every record of a checkpoint against its CRC-32 before loading it (default True);
             a damaged file raises :class:`~lightning_datastates.errors.CheckpointCorruptError` naming the file and
             the record. Checksums are always written; False only skips the check on load.
-        storage_alignment: ``None`` (default): torch's own record alignment (64 bytes), writes through the page
-            cache. A power of two (bytes, e.g. ``4096`` or ``"4KiB"``): every tensor's data starts at a file offset
-            that is a multiple of it (the file stays a plain torch file), and local writes of whole aligned blocks
-            use direct I/O (``O_DIRECT``, bypassing the page cache) where the file system supports it; where it
-            does not (tmpfs on older kernels, some network file systems) a warning is logged and writes go through
-            the page cache. 4096 suits most disks and Lustre; larger values pad each tensor more.
+        storage_alignment: ``None`` (default): torch's own record alignment (64 bytes), as ``torch.save``. A power
+            of two (bytes, e.g. ``4096`` or ``"4KiB"``): every tensor's data starts at a file offset that is a
+            multiple of it (the file stays a plain torch file, a little larger), so that with direct I/O no block is
+            shared by two tensors; a Lustre stripe size (``"16MiB"``) pads each tensor more.
+        direct_io: how local files are written. ``"auto"`` (default): whole aligned 4 KiB blocks with direct I/O
+            (``O_DIRECT``: no copy into the page cache, no writeback later) where the file system supports it, the
+            rest (each tensor's first and last partial block, the metadata) through the page cache; where the file
+            system refuses direct I/O (tmpfs before Linux 6.6, some network file systems), everything through the
+            page cache, quietly. ``True``: the same, with a warning once per directory where refused. ``False``:
+            always the page cache (tensors already in host memory are then written straight from the training
+            state where possible, see the README).
         serve_from_memory: keep each written checkpoint's bytes in the host arena until the space is needed
             (default True): loading a checkpoint still whole there (typically the newest) reads it from memory, not
             from storage, if the file on storage is unchanged since its commit (checked by a ``stat``, or a HEAD on
@@ -95,6 +107,7 @@ class DataStatesIO(CheckpointIO):
         stale_after_s: float = DEFAULT_STALE_AFTER_S,
         storage_alignment: Size | None = None,
         serve_from_memory: bool = True,
+        direct_io: DirectIO = "auto",
     ) -> None:
         super().__init__()
         self.config = DataStatesConfig.from_user(
@@ -109,6 +122,7 @@ class DataStatesIO(CheckpointIO):
             verify_checksums=verify_checksums,
             storage_alignment=storage_alignment,
             serve_from_memory=serve_from_memory,
+            direct_io=direct_io,
         )
         self._engine: SnapshotEngine | None = None
         self._owner: DataStatesCallback | None = None
@@ -282,9 +296,7 @@ class DataStatesIO(CheckpointIO):
             self._owner = None
 
     def _writer(self, path: str) -> StorageWriter:
-        if self.config.storage_alignment is None:
-            return writer_for(path, self.config.storage_options)
-        return writer_for(path, self.config.storage_options, direct_io=True)
+        return writer_for(path, self.config.storage_options, direct_io=self.config.direct_io)
 
     # ------------------------------------------------------------------ pickling (ddp_spawn, LightningCLI)
     def __getstate__(self) -> dict[str, Any]:

@@ -180,7 +180,7 @@ class GatedWriter(LocalWriter):
 def gated_writer(monkeypatch: pytest.MonkeyPatch) -> Iterator[GatedWriter]:
     """Route the plugin's local writes through a :class:`GatedWriter` (faults at a precise point)."""
     writer = GatedWriter()
-    monkeypatch.setattr("lightning_datastates.plugin.writer_for", lambda path, storage_options=None: writer)
+    monkeypatch.setattr("lightning_datastates.plugin.writer_for", lambda path, storage_options=None, **_: writer)
     yield writer
     writer.gate.set()  # a test that failed with the gate closed must not hold the writer threads (and exit)
 

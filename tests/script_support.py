@@ -49,7 +49,7 @@ def slow_local_writes(delay_s: float) -> None:
     from tests.conftest import GatedWriter
 
     writer = GatedWriter(delay_s=delay_s)
-    plugin_module.writer_for = lambda path, storage_options=None: writer  # type: ignore[assignment]
+    plugin_module.writer_for = lambda path, storage_options=None, **_: writer  # type: ignore[assignment]
 
 
 def break_draining() -> None:

@@ -20,8 +20,10 @@ def _records(sizes: list[int], start: int = 64, alignment: int = 64) -> list[Sto
     return records
 
 
-def _check_plan(records: list[StorageRecord], chunks: list[Chunk], chunk_bytes: int) -> None:
-    """All invariants of a chunk plan."""
+def _check_plan(
+    records: list[StorageRecord], chunks: list[Chunk], chunk_bytes: int, phase_bytes: int | None = None
+) -> None:
+    """All invariants of a chunk plan (with ``phase_bytes``: pieces of a phase or more are in phase)."""
     by_key = {r.key: r for r in records}
     covered: dict[int, list[tuple[int, int]]] = {r.key: [] for r in records}
     for chunk in chunks:
@@ -30,7 +32,10 @@ def _check_plan(records: list[StorageRecord], chunks: list[Chunk], chunk_bytes: 
         spans = []
         for piece in chunk.pieces:
             assert piece.nbytes > 0, "a zero-size piece"
-            assert piece.block_offset % PIECE_ALIGNMENT_BYTES == 0
+            if phase_bytes is None:
+                assert piece.block_offset % PIECE_ALIGNMENT_BYTES == 0
+            elif piece.nbytes >= phase_bytes:
+                assert piece.block_offset % phase_bytes == piece.file_offset % phase_bytes, "out of phase"
             assert piece.block_offset + piece.nbytes <= chunk.block_bytes
             record = by_key[piece.key]
             assert 0 <= piece.source_offset and piece.source_offset + piece.nbytes <= record.nbytes
@@ -114,6 +119,34 @@ def test_plan_copies_bytes_to_the_right_file_offsets() -> None:
         for p in chunk.pieces:
             written[p.file_offset : p.file_offset + p.nbytes] = block[p.block_offset : p.block_offset + p.nbytes]
     assert written == expected
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_phased_plans_keep_every_invariant(seed: int) -> None:
+    rng = random.Random(500 + seed)
+    phase_bytes = rng.choice([64, 512, 4096])
+    chunk_bytes = rng.choice([phase_bytes, 3 * phase_bytes, 5000, 1 << 16])
+    if chunk_bytes < phase_bytes:
+        chunk_bytes = phase_bytes
+    sizes = [rng.choice([0, rng.randint(1, 300), rng.randint(1, 3 * chunk_bytes + 5)]) for _ in range(40)]
+    records = _records(sizes, start=rng.randrange(64, 8192, 64))
+    chunks = plan_chunks(records, chunk_bytes, phase_bytes)
+    _check_plan(records, chunks, chunk_bytes, phase_bytes)
+    counts = _byte_owner_map(records, chunks)
+    assert set(counts) == {(r.key, b) for r in records for b in range(r.nbytes)} and set(counts.values()) <= {1}
+
+
+def test_a_big_record_starts_in_phase_and_continues_on_block_boundaries() -> None:
+    record = StorageRecord(1, 1024 + 64, 20_000)  # at 1088 in the file: 1088 bytes past a 4 KiB boundary
+    chunks = plan_chunks([_records([100])[0], record], 8192, phase_bytes=4096)
+    first, *rest = chunks
+    assert first.pieces[1] == Piece(1, 0, 8192 - 1088, 1088, 1088)  # after the small record, padded into phase
+    assert [(p.source_offset, p.block_offset, p.file_offset % 4096) for c in rest for p in c.pieces] == [
+        (7104, 0, 0),
+        (15296, 0, 0),
+    ]
+    with pytest.raises(ValueError, match="phase_bytes"):
+        plan_chunks([record], 4096, phase_bytes=3000)
 
 
 def test_big_record_is_split_into_full_chunks() -> None:

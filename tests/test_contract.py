@@ -19,15 +19,22 @@ from tests.conftest import (
     temp_files,
 )
 
+#: How local files are written: direct I/O from the arena (the default), page-cache writes straight from the host
+#: tensors until the barrier (write-through), or page-cache writes of every byte via the arena.
+MODES = {
+    "direct": {"direct_io": "auto", "write_through": True},
+    "write-through": {"direct_io": False, "write_through": True},
+    "arena-only": {"direct_io": False, "write_through": False},
+}
+
 
 def _fit_recording(
-    tmp_path: str, every_n_train_steps: int, save_last: bool = True, write_through: bool = True
+    tmp_path: str, every_n_train_steps: int, save_last: bool = True, mode: str = "direct"
 ) -> RecordingDataStatesIO:
     torch.manual_seed(0)
     # Small chunks: many copies per checkpoint, so copies are still running when the optimizer step comes.
     plugin = RecordingDataStatesIO(chunk_size="64KiB", eager_copy_size="1KiB")
-    # Write-through (host tensors written straight to the file until the barrier) or every byte via the arena.
-    plugin.config = dataclasses.replace(plugin.config, write_through=write_through)
+    plugin.config = dataclasses.replace(plugin.config, **MODES[mode])
     checkpoint_dir = os.path.join(tmp_path, "ckpt")
     trainer = make_trainer(
         tmp_path,
@@ -38,10 +45,10 @@ def _fit_recording(
     return plugin
 
 
-@pytest.mark.parametrize("write_through", [True, False], ids=["write-through", "arena-only"])
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("every_n_train_steps", [1, 2])
-def test_every_file_equals_state_at_save(tmp_path, slow_copies, every_n_train_steps, write_through):
-    plugin = _fit_recording(str(tmp_path), every_n_train_steps, write_through=write_through)
+def test_every_file_equals_state_at_save(tmp_path, slow_copies, every_n_train_steps, mode):
+    plugin = _fit_recording(str(tmp_path), every_n_train_steps, mode=mode)
     assert len(plugin.recorded) >= 8
     # Copies really overlapped training (otherwise this test would prove nothing about laziness).
     assert any(s.barrier_wait_s > 0 for s in plugin.stats), "no checkpoint was still copying at a barrier"
@@ -49,14 +56,14 @@ def test_every_file_equals_state_at_save(tmp_path, slow_copies, every_n_train_st
     assert temp_files(str(tmp_path)) == []
 
 
-@pytest.mark.parametrize("write_through", [True, False], ids=["write-through", "arena-only"])
-def test_contract_check_fails_without_barrier(tmp_path, slow_copies, monkeypatch, write_through):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_contract_check_fails_without_barrier(tmp_path, slow_copies, monkeypatch, mode):
     """The same check against a broken plugin that skips the wait: it must catch torn snapshots.
 
     Without ``save_last`` (one file a step) the check does not depend on how a step's files share their copy.
     """
     monkeypatch.setattr(SnapshotEngine, "wait_copies", lambda self, attribute=True: 0.0)
-    plugin = _fit_recording(str(tmp_path), 1, save_last=False, write_through=write_through)
+    plugin = _fit_recording(str(tmp_path), 1, save_last=False, mode=mode)
     failures = file_mismatches(plugin)
     assert failures, "a plugin that never waits for its copies produced only correct files: the check is blind"
     assert any("state_dict" in f or "optimizer_states" in f for f in failures)

@@ -10,6 +10,7 @@ import errno
 import fcntl
 import itertools
 import logging
+import mmap
 import os
 import random
 import threading
@@ -35,8 +36,6 @@ def _direct_io_works(directory: str) -> bool:
     except OSError:
         return False
     try:
-        import mmap
-
         block = mmap.mmap(-1, DIRECT_IO_ALIGNMENT)
         os.pwrite(fd, block, 0)
         return True
@@ -69,6 +68,29 @@ def test_storage_alignment_is_validated() -> None:
     for bad in (3000, 32, "lots", 2**30):
         with pytest.raises(ConfigError, match="storage_alignment"):
             DataStatesIO(storage_alignment=bad)
+
+
+def test_direct_io_is_validated_and_reaches_the_local_writer(tmp_path) -> None:
+    assert DataStatesIO().config.direct_io == "auto"
+    for value in (True, False, "auto"):
+        plugin = DataStatesIO(direct_io=value)
+        writer = plugin._writer(str(tmp_path / "x.ckpt"))
+        assert isinstance(writer, LocalWriter) and writer.direct_io == value
+    for bad in ("yes", 1, None, "AUTO"):
+        with pytest.raises(ConfigError, match="direct_io must be 'auto'"):
+            DataStatesIO(direct_io=bad)
+
+
+@pytest.mark.parametrize("direct_io", ["auto", False])
+def test_default_writes_use_o_direct_where_the_file_system_takes_it(tmp_path, direct_io) -> None:
+    session = DataStatesIO(direct_io=direct_io)._writer(str(tmp_path / "x.ckpt")).begin(str(tmp_path / "x.ckpt"), 0)
+    try:
+        expected = direct_io == "auto" and _direct_io_works(str(tmp_path))
+        assert session.direct_io == expected
+        assert session.direct_alignment == (DIRECT_IO_ALIGNMENT if expected else None)
+        assert session.fast_writes == (not expected)  # write-through only through the page cache
+    finally:
+        session.abort()
 
 
 def test_plan_aligns_every_record_and_leaves_torchs_setting_as_it_was() -> None:
@@ -124,7 +146,9 @@ def test_direct_session_writes_aligned_blocks_with_o_direct_from_any_memory(tmp_
     assert (tmp_path / "d.ckpt").read_bytes() == data
 
 
-def test_a_file_system_refusing_o_direct_at_open_falls_back_with_one_warning(tmp_path, monkeypatch, caplog) -> None:
+@pytest.mark.parametrize("direct_io", [True, "auto"])
+def test_a_file_system_refusing_o_direct_at_open_falls_back(tmp_path, monkeypatch, caplog, direct_io) -> None:
+    """Asked for (True): one warning per directory. By default ("auto"): quietly (a debug log)."""
     real_open = os.open
 
     def no_direct_open(path, flags, *args):  # a file system without O_DIRECT (as tmpfs before Linux 6.6)
@@ -134,18 +158,73 @@ def test_a_file_system_refusing_o_direct_at_open_falls_back_with_one_warning(tmp
 
     monkeypatch.setattr(local_module.os, "open", no_direct_open)
     monkeypatch.setattr(local_module, "_DIRECT_IO_WARNED", set())
-    plugin = DataStatesIO(storage_alignment=4096)
+    plugin = DataStatesIO(storage_alignment=4096, direct_io=direct_io)
     checkpoint = _checkpoint()
-    with caplog.at_level(logging.WARNING, logger="lightning_datastates"):
+    with caplog.at_level(logging.DEBUG, logger="lightning_datastates"):
         for name in ("a.ckpt", "b.ckpt"):
             plugin.save_checkpoint(checkpoint, str(tmp_path / name))
             plugin.raise_pending_failure()
-    warnings = [r.getMessage() for r in caplog.records if "direct I/O" in r.getMessage()]
-    assert len(warnings) == 1 and str(tmp_path) in warnings[0] and "page cache" in warnings[0]
+    said = [r for r in caplog.records if "direct I/O" in r.getMessage()]
+    assert len(said) == 1 and str(tmp_path) in said[0].getMessage() and "page cache" in said[0].getMessage()
+    assert said[0].levelno == (logging.WARNING if direct_io is True else logging.DEBUG)
     for name in ("a.ckpt", "b.ckpt"):
         assert_bit_equal(torch.load(str(tmp_path / name), weights_only=True), checkpoint)
         assert all(r.data_offset % 4096 == 0 for r in _records(str(tmp_path / name)))  # aligned all the same
     plugin.teardown()
+
+
+@pytest.mark.parametrize("storage_alignment", [None, 4096], ids=["torch-layout", "aligned-layout"])
+def test_direct_writes_come_straight_from_the_arena_without_a_bounce_copy(tmp_path, monkeypatch, storage_alignment):
+    """The engine places each piece in its arena block as in the file (modulo 4 KiB), so with torch's own 64-byte
+    layout too the aligned blocks are written from the arena itself, not copied through the bounce buffer."""
+    if not _direct_io_works(str(tmp_path)):
+        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    direct_bytes = {"in place": 0, "bounced": 0, "metadata": 0}
+    real_write_direct = local_module._write_direct
+
+    def spy(fd: int, view: memoryview, offset: int) -> None:
+        address = local_module._address(view)  # None: read-only bytes, i.e. the layout's headers and padding
+        kind = "metadata" if address is None else "in place" if address % 4096 == 0 else "bounced"
+        direct_bytes[kind] += view.nbytes
+        real_write_direct(fd, view, offset)
+
+    monkeypatch.setattr(local_module, "_write_direct", spy)
+    plugin = in_background(DataStatesIO(storage_alignment=storage_alignment, chunk_size="1MiB"), lazy=True)
+    checkpoint = _checkpoint()
+    plugin.save_checkpoint(checkpoint, str(tmp_path / "a.ckpt"))
+    plugin.barrier()
+    plugin.drain()
+    plugin.raise_pending_failure()
+    assert_bit_equal(torch.load(str(tmp_path / "a.ckpt"), weights_only=True), checkpoint)
+    payload = sum(t.untyped_storage().nbytes() for t in (checkpoint["big"], *checkpoint["state_dict"].values()))
+    assert direct_bytes["in place"] > 0.9 * payload and direct_bytes["bounced"] == 0, direct_bytes
+    plugin.teardown()
+
+
+def test_memory_the_device_cannot_map_is_written_through_the_bounce_buffer(tmp_path, monkeypatch) -> None:
+    """Some drivers' page-locked host buffers fail O_DIRECT with EFAULT: those writes go through the bounce buffer."""
+    session = LocalWriter(direct_io=True).begin(str(tmp_path / "d.ckpt"), 0)
+    if not session.direct_io:
+        session.abort()
+        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    direct_fd, real_pwrite, refused = session._direct_fd, os.pwrite, []
+
+    def pwrite(fd, data, offset):  # any memory but this thread's bounce buffer acts as "driver memory"
+        if fd == direct_fd and memoryview(data).obj is not getattr(local_module._BOUNCE, "buffer", None):
+            refused.append(offset)
+            raise OSError(errno.EFAULT, "Bad address")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(local_module.os, "pwrite", pwrite)
+    source = mmap.mmap(-1, 4 * 4096)  # page-aligned: tried in place first
+    data = os.urandom(3 * 4096 + 100)
+    source.write(data)
+    view = memoryview(source)[: len(data)]
+    session.write_range(0, view)
+    session.complete()
+    assert refused and (tmp_path / "d.ckpt").read_bytes() == data
+    view.release()
+    source.close()
 
 
 def test_a_direct_write_refused_midway_falls_back_to_buffered_writes(tmp_path, monkeypatch, caplog) -> None:

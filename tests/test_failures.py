@@ -102,7 +102,7 @@ class _ExceptionSpy(Callback):
 
 def test_background_failure_in_fit_raises_once_and_teardown_runs(tmp_path, monkeypatch):
     writer = GatedWriter(fail_on_write=5)
-    monkeypatch.setattr("lightning_datastates.plugin.writer_for", lambda path, storage_options=None: writer)
+    monkeypatch.setattr("lightning_datastates.plugin.writer_for", lambda path, storage_options=None, **_: writer)
     spy = _ExceptionSpy()
     plugin = DataStatesIO()
     trainer = make_trainer(
@@ -123,7 +123,7 @@ def test_background_failure_in_fit_raises_once_and_teardown_runs(tmp_path, monke
 
 def test_exception_in_training_step_drains_pending_writes(tmp_path, monkeypatch):
     writer = GatedWriter(delay_s=0.01)  # slow storage: writes are pending when the step raises
-    monkeypatch.setattr("lightning_datastates.plugin.writer_for", lambda path, storage_options=None: writer)
+    monkeypatch.setattr("lightning_datastates.plugin.writer_for", lambda path, storage_options=None, **_: writer)
     plugin = DataStatesIO(chunk_size="64KiB")
     trainer = make_trainer(str(tmp_path), plugin, callbacks=[every_step_checkpoint(str(tmp_path / "ckpt"))])
     with pytest.raises(RuntimeError, match="boom"):
@@ -153,7 +153,7 @@ _EXIT_SCRIPT = textwrap.dedent(
             return SlowSession(s.path, s.temp_path, s._fd)
 
     import lightning_datastates.plugin as plugin_module
-    plugin_module.writer_for = lambda path, storage_options=None: SlowWriter()
+    plugin_module.writer_for = lambda path, storage_options=None, **_: SlowWriter()
     plugin = DataStatesIO(chunk_size="1MiB")
     plugin._owner = type("InTrainingLoop", (), {"in_training_loop": True, "lazy_predicate": lambda self: None})()
     plugin.save_checkpoint({"w": torch.arange(4 * 2**20, dtype=torch.float32)}, sys.argv[1])

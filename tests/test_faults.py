@@ -239,7 +239,7 @@ _SLOW_STORAGE_SCRIPT = textwrap.dedent(
                     return int(line.split()[1]) * 1024
 
     writer = GatedWriter(delay_s=0.02)  # every write takes 20 ms more: storage far slower than the steps
-    plugin_module.writer_for = lambda path, storage_options=None: writer
+    plugin_module.writer_for = lambda path, storage_options=None, **_: writer
 
     class InFlight(L.Callback):
         def __init__(self):
@@ -288,7 +288,7 @@ def test_storage_slower_than_saves_keeps_memory_and_checkpoints_in_flight_bounde
 @pytest.mark.slow
 def test_arena_full_policy_skip_skips_whole_checkpoints_and_keeps_older_files(tmp_path, monkeypatch, caplog):
     writer = GatedWriter(delay_s=0.05)  # storage far slower than the steps
-    monkeypatch.setattr("lightning_datastates.plugin.writer_for", lambda path, storage_options=None: writer)
+    monkeypatch.setattr("lightning_datastates.plugin.writer_for", lambda path, storage_options=None, **_: writer)
     plugin = RecordingDataStatesIO(on_arena_full="skip", host_cache="8MiB", chunk_size="1MiB", writer_threads=2)
     directory = str(tmp_path / "ckpt")
     top_k = ModelCheckpoint(dirpath=directory, every_n_train_steps=1, save_top_k=2, monitor="train_loss")
@@ -336,7 +336,7 @@ class FlakyWriter(LocalWriter):
 
 def test_storage_that_recovers_warn_policy_one_warning_per_failed_checkpoint(tmp_path, monkeypatch, caplog):
     writer = FlakyWriter(failing={3, 6})
-    monkeypatch.setattr("lightning_datastates.plugin.writer_for", lambda path, storage_options=None: writer)
+    monkeypatch.setattr("lightning_datastates.plugin.writer_for", lambda path, storage_options=None, **_: writer)
     plugin = RecordingDataStatesIO(on_flush_error="warn")
     directory = str(tmp_path / "ckpt")
     trainer = make_trainer(
@@ -361,7 +361,7 @@ def test_storage_that_recovers_warn_policy_one_warning_per_failed_checkpoint(tmp
 
 def test_storage_that_recovers_raise_policy_raises_once_then_resumes(tmp_path, monkeypatch):
     writer = FlakyWriter(failing={3})
-    monkeypatch.setattr("lightning_datastates.plugin.writer_for", lambda path, storage_options=None: writer)
+    monkeypatch.setattr("lightning_datastates.plugin.writer_for", lambda path, storage_options=None, **_: writer)
     plugin = RecordingDataStatesIO()  # on_flush_error="raise", the default
     directory = str(tmp_path / "ckpt")
     callbacks = [every_step_checkpoint(directory, save_last=False)]

@@ -4,6 +4,10 @@ A chunk is what the copier moves into one arena block in one go and a writer flu
 than ``chunk_bytes`` are split across chunks (so a checkpoint larger than the arena streams through it);
 small storages are packed together into one chunk (so ten thousand tiny tensors cost tens of copies, not ten
 thousand).
+
+For direct I/O, a piece that may hold a whole disk block is placed in its block so that its bytes sit at the same
+position modulo ``phase_bytes`` in memory as in the file (arena blocks start on page boundaries): its aligned
+middle is then written straight from the arena, with no bounce copy (see :mod:`~lightning_datastates.storage.local`).
 """
 
 from __future__ import annotations
@@ -37,10 +41,17 @@ class Chunk:
     block_bytes: int
 
 
-def plan_chunks(records: Iterable[StorageRecord], chunk_bytes: int) -> list[Chunk]:
-    """Cut ``records`` (in the given order) into chunks of at most ``chunk_bytes`` bytes each."""
+def plan_chunks(records: Iterable[StorageRecord], chunk_bytes: int, phase_bytes: int | None = None) -> list[Chunk]:
+    """Cut ``records`` (in the given order) into chunks of at most ``chunk_bytes`` bytes each.
+
+    With ``phase_bytes`` (a power of two, at most ``chunk_bytes``), every piece of at least that size (the only ones
+    that can hold a whole disk block) starts at a block offset congruent to its file offset modulo ``phase_bytes``
+    (at most ``phase_bytes`` of padding each).
+    """
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    if phase_bytes is not None and not (phase_bytes & (phase_bytes - 1) == 0 and phase_bytes <= chunk_bytes):
+        raise ValueError(f"phase_bytes must be a power of two up to chunk_bytes ({chunk_bytes}), got {phase_bytes}")
     chunks: list[Chunk] = []
     pieces: list[Piece] = []
     filled = 0
@@ -54,12 +65,14 @@ def plan_chunks(records: Iterable[StorageRecord], chunk_bytes: int) -> list[Chun
     for record in records:
         done = 0
         while done < record.nbytes:
-            start = _align_up(filled)
+            file_offset = record.offset + done
+            phased = phase_bytes is not None and record.nbytes - done >= phase_bytes
+            start = _in_phase(filled, file_offset, phase_bytes) if phased else _align_up(filled)
             if start >= chunk_bytes:
                 close_chunk()
-                start = 0
+                start = _in_phase(0, file_offset, phase_bytes) if phased else 0
             take = min(record.nbytes - done, chunk_bytes - start)
-            pieces.append(Piece(record.key, done, take, start, record.offset + done))
+            pieces.append(Piece(record.key, done, take, start, file_offset))
             filled = start + take
             done += take
     close_chunk()
@@ -68,3 +81,9 @@ def plan_chunks(records: Iterable[StorageRecord], chunk_bytes: int) -> list[Chun
 
 def _align_up(nbytes: int) -> int:
     return -(-nbytes // PIECE_ALIGNMENT_BYTES) * PIECE_ALIGNMENT_BYTES
+
+
+def _in_phase(filled: int, file_offset: int, phase_bytes: int | None) -> int:
+    """The first block offset from ``filled`` that is congruent to ``file_offset`` modulo ``phase_bytes``."""
+    assert phase_bytes is not None
+    return filled + (file_offset - filled) % phase_bytes

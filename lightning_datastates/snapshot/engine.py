@@ -137,13 +137,18 @@ class SnapshotEngine:
         devices = {s.device for s in storages if s.nbytes() > 0}
         # Writer threads checksum what they write and fill each record's CRC-32 (checksums.py).
         session = checksummed(writer.begin(path, layout.total_bytes), layout.checksums)
+        # Direct I/O: pieces sit in their arena block as in the file, modulo the disk block, so that writes need no
+        # bounce copy (chunks.py); chunks are cut from the arena, which is page-aligned, so blocks of a disk block.
+        phase_bytes = (
+            session.direct_alignment if session.direct_alignment and session.direct_alignment <= chunk_bytes else None
+        )
         try:
             job = SnapshotJob(
                 path=path,
                 layout=layout,
                 session=session,
                 sources=storages,
-                eager_chunks=plan_chunks((r for r in layout.records if r.key in eager_keys), chunk_bytes),
+                eager_chunks=plan_chunks((r for r in layout.records if r.key in eager_keys), chunk_bytes, phase_bytes),
                 lazy_chunks=[],  # planned below, with the sharing of earlier copies
                 marks=self._copiers.marks(devices),
                 stats=SnapshotStats(path, layout.total_bytes, layout.payload_bytes, started_at),
@@ -175,7 +180,7 @@ class SnapshotEngine:
                 through = self.config.write_through and session.fast_writes
                 if through:  # small chunks: a barrier waits for those being written (snapshot/direct.py)
                     chunk_bytes = min(chunk_bytes, WRITE_THROUGH_CHUNK_BYTES)
-                job.lazy_chunks = self._plan_shared_lazy_copy(job, lazy_records, storages, chunk_bytes)
+                job.lazy_chunks = self._plan_shared_lazy_copy(job, lazy_records, storages, chunk_bytes, phase_bytes)
                 if through:
                     host_chunks = [c for c in job.lazy_chunks if _all_in_host_memory(c, storages)]
                     job.write_through = (
@@ -341,11 +346,12 @@ class SnapshotEngine:
         lazy_records: list[StorageRecord],
         storages: list[torch.UntypedStorage],
         chunk_bytes: int,
+        phase_bytes: int | None,
     ) -> list[Chunk]:
         """``job``'s lazy chunks: storages an earlier checkpoint of this barrier interval copies are followed
         instead (one host copy serves both files); the rest are planned, and offered to later checkpoints."""
         followed = self._sharing.follow(job, lazy_records, storages)
-        job.lazy_chunks = plan_chunks((r for r in lazy_records if r.key not in followed), chunk_bytes)
+        job.lazy_chunks = plan_chunks((r for r in lazy_records if r.key not in followed), chunk_bytes, phase_bytes)
         self._sharing.offer(job, storages)
         return job.lazy_chunks
 

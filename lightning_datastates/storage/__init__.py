@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_datastates.config import DirectIO
 from lightning_datastates.storage.base import StorageWriter, WriteSession
 from lightning_datastates.storage.generic import GenericWriter, protocol_of
 from lightning_datastates.storage.local import LocalWriter, is_local_path, local_path
@@ -11,10 +12,11 @@ from lightning_datastates.storage.local import LocalWriter, is_local_path, local
 __all__ = ["GenericWriter", "LocalWriter", "StorageWriter", "WriteSession", "is_local_path", "local_path", "writer_for"]
 
 
-def writer_for(path: str, storage_options: dict[str, Any] | None = None, direct_io: bool = False) -> StorageWriter:
+def writer_for(path: str, storage_options: dict[str, Any] | None = None, direct_io: DirectIO = False) -> StorageWriter:
     """The storage writer for ``path``'s protocol: POSIX for local paths, our multipart driver for ``s3://`` and
     ``s3a://`` (``storage_options`` may also hold its settings, see :data:`~lightning_datastates.storage.s3.TUNABLES`),
-    fsspec for any other protocol. ``direct_io`` asks local writes to use ``O_DIRECT`` (see :class:`LocalWriter`).
+    fsspec for any other protocol. ``direct_io`` (``"auto"``, True or False) asks local writes to use ``O_DIRECT``
+    (see :class:`LocalWriter`).
 
     Raises:
         ValueError: the protocol is unknown to fsspec, or s3fs is missing (the message names the package to install).

@@ -28,6 +28,9 @@ class WriteSession(ABC):
     #: Whether ``write_range`` returns at memory speed (the bytes land in the page cache or a local buffer), so that
     #: writing straight from training tensors holds them only for moments (see ``snapshot/direct.py``).
     fast_writes: bool = False
+    #: With direct I/O: ranges whose memory address and file offset agree modulo this many bytes are written straight
+    #: from that memory (no bounce copy), so the engine places its arena blocks to match. None: any address will do.
+    direct_alignment: int | None = None
 
     @abstractmethod
     def write_range(self, offset: int, data: memoryview) -> None:
