@@ -23,7 +23,7 @@ Columns of the report (one row per method; each figure is the median over ``--ro
 
 - ``train s``: seconds from the start of ``fit`` until the last training step ended, including that step's save
   call (a synchronous save is in it, a background flush still running is not). ``overhead`` compares it with
-  ``none``.
+  ``none`` of the same round (``fit overhead`` likewise ``fit s``), median over rounds.
 - ``quiet overhead``: measured inside the run itself, robust to other load on a shared machine: the training
   loop's time (first step start to last step end) over (number of steps x the median duration of the steps that
   overlap no checkpoint activity: save call, copy or flush), minus 1. ``none`` shows the natural step-time spread.
@@ -580,7 +580,8 @@ def summarize_run(run: dict[str, Any], raw_bps: float | None) -> dict[str, Any]:
 
 
 def combine(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
-    """Median over rounds of every per-round figure, per method; overheads and memory ratios against ``none``."""
+    """Median over rounds of every per-round figure, per method; overheads (paired by round) and memory ratios
+    against ``none``."""
     table: dict[str, dict[str, Any]] = {}
     for method in rounds[0]:
         keys = {k for r in rounds for k in r[method]}
@@ -592,8 +593,10 @@ def combine(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]
     none = table.get("none")
     for method, row in table.items():
         if none is not None and method != "none":
-            row["overhead"] = row["train_s"] / none["train_s"] - 1
-            row["fit_overhead"] = row["fit_s"] / none["fit_s"] - 1
+            # Paired: each round against that round's own run without checkpoints, then the median. A shared
+            # machine drifts over minutes; a ratio of medians would mix a slow round of one with a fast of the other.
+            for key, seconds in (("overhead", "train_s"), ("fit_overhead", "fit_s")):
+                row[key] = statistics.median(r[method][seconds] / r["none"][seconds] - 1 for r in rounds)
             if row.get("bytes"):
                 row["extra_rss_per_ckpt"] = (row["peak_rss_bytes"] - none["peak_rss_bytes"]) / row["bytes"]
             if row.get("peak_gpu_bytes") is not None and none.get("peak_gpu_bytes") is not None:
