@@ -55,7 +55,7 @@ def arena_path(request, monkeypatch):
 def test_with_write_through_every_checkpoint_loads_exactly_from_memory_or_storage(tmp_path) -> None:
     """Chunks written straight from the tensors leave the arena image incomplete (loaded from storage); chunks the
     copier took first keep it whole (served). Which way each checkpoint goes depends on timing; both must be exact."""
-    plugin = DataStatesIO()
+    plugin = DataStatesIO(direct_io=False)  # page-cache writes: write-through applies
     _, _, directory = _fit(tmp_path, plugin)
     for name in sorted(os.listdir(directory)):
         path = os.path.join(directory, name)
