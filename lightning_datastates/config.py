@@ -20,8 +20,9 @@ FlushErrorPolicy = Literal["raise", "warn"]
 #: What a save does when earlier checkpoints still hold the host arena: ``wait`` for their flush (back-pressure), or
 #: ``skip`` this checkpoint with a warning (nothing is written for it, and the removals it would allow are dropped).
 ArenaFullPolicy = Literal["wait", "skip"]
-#: Local writes: ``"auto"`` writes whole aligned blocks with direct I/O (``O_DIRECT``) where the file system takes it
-#: and through the page cache elsewhere, quietly; True the same, with a warning where refused; False: page cache.
+#: Local writes: ``"auto"`` writes whole aligned blocks with direct I/O (``O_DIRECT``) on local disks and parallel
+#: file systems and through the page cache elsewhere, quietly; True: direct I/O wherever accepted, with a warning
+#: where refused; False: page cache.
 DirectIO = bool | Literal["auto"]
 #: Default of ``stale_after_s``: leftovers whose writer cannot be asked are removed once an hour old.
 DEFAULT_STALE_AFTER_S = 3600.0

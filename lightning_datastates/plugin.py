@@ -80,11 +80,12 @@ class DataStatesIO(CheckpointIO):
             of two (bytes, e.g. ``4096`` or ``"4KiB"``): every tensor's data starts at a file offset that is a
             multiple of it (the file stays a plain torch file, a little larger), so that with direct I/O no block is
             shared by two tensors; a Lustre stripe size (``"16MiB"``) pads each tensor more.
-        direct_io: how local files are written. ``"auto"`` (default): whole aligned 4 KiB blocks with direct I/O
-            (``O_DIRECT``: no copy into the page cache, no writeback later) where the file system supports it, the
-            rest (each tensor's first and last partial block, the metadata) through the page cache; where the file
-            system refuses direct I/O (tmpfs before Linux 6.6, some network file systems), everything through the
-            page cache, quietly. ``True``: the same, with a warning once per directory where refused. ``False``:
+        direct_io: how local files are written. ``"auto"`` (default): on local disks and parallel file systems
+            (ext4, XFS, btrfs, Lustre, GPFS, ...), whole aligned 4 KiB blocks with direct I/O (``O_DIRECT``: no copy
+            into the page cache, no writeback later), the rest (each tensor's first and last partial block, the
+            metadata) through the page cache; on network and FUSE file systems (NFS, SMB, ...) and tmpfs, or where
+            the file system refuses direct I/O, everything through the page cache, quietly. ``True``: direct I/O
+            on every file system that accepts it, with a warning once per directory where refused. ``False``:
             always the page cache (tensors already in host memory are then written straight from the training
             state where possible, see the README).
         serve_from_memory: keep each written checkpoint's bytes in the host arena until the space is needed

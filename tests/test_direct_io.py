@@ -81,11 +81,44 @@ def test_direct_io_is_validated_and_reaches_the_local_writer(tmp_path) -> None:
             DataStatesIO(direct_io=bad)
 
 
+def test_the_file_system_of_a_path_is_read_from_the_mount_table(tmp_path) -> None:
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(
+        "22 1 0:21 / / rw - ext4 /dev/vda rw\n"
+        "30 22 0:40 / /mnt/nfs rw shared:5 - nfs4 server:/export rw,vers=4.2\n"
+        "31 30 0:41 / /mnt/nfs/scratch\\040space rw - lustre 10.0.0.1@tcp:/fs rw\n"
+        "32 22 0:42 / /dev/shm rw - tmpfs tmpfs rw\n"
+    )
+    for path, expected in [
+        ("/home/me/ckpt", "ext4"),
+        ("/mnt/nfs", "nfs4"),
+        ("/mnt/nfs/run/ckpt", "nfs4"),
+        ("/mnt/nfs/scratch space/ckpt", "lustre"),
+        ("/mnt/nfsother", "ext4"),
+        ("/dev/shm/x", "tmpfs"),
+    ]:
+        assert local_module._file_system_type(path, str(mountinfo)) == expected, path
+    assert local_module._file_system_type("/", str(tmp_path / "missing")) is None
+
+
+@pytest.mark.parametrize("fstype", ["nfs4", "tmpfs", "fuse.gcsfuse"])
+def test_auto_leaves_network_fuse_and_memory_file_systems_to_the_page_cache(tmp_path, monkeypatch, fstype) -> None:
+    """Each direct write to NFS or a FUSE file system is a synchronous request: "auto" keeps the page cache there;
+    ``direct_io=True`` still asks for O_DIRECT."""
+    monkeypatch.setattr(local_module, "_file_system_type", lambda path: fstype)
+    for direct_io, expected in (("auto", False), (True, _direct_io_works(str(tmp_path)))):
+        session = LocalWriter(direct_io=direct_io).begin(str(tmp_path / "x.ckpt"), 0)
+        assert session.direct_io == expected, direct_io
+        session.abort()
+
+
 @pytest.mark.parametrize("direct_io", ["auto", False])
 def test_default_writes_use_o_direct_where_the_file_system_takes_it(tmp_path, direct_io) -> None:
     session = DataStatesIO(direct_io=direct_io)._writer(str(tmp_path / "x.ckpt")).begin(str(tmp_path / "x.ckpt"), 0)
     try:
-        expected = direct_io == "auto" and _direct_io_works(str(tmp_path))
+        expected = (
+            direct_io == "auto" and local_module.direct_io_suits(str(tmp_path)) and _direct_io_works(str(tmp_path))
+        )
         assert session.direct_io == expected
         assert session.direct_alignment == (DIRECT_IO_ALIGNMENT if expected else None)
         assert session.fast_writes == (not expected)  # write-through only through the page cache

@@ -6,7 +6,8 @@ name, ``fsync`` the directory so the rename itself survives a power loss. Ranges
 ``os.pwrite`` from several threads at once.
 
 Direct I/O (``LocalWriter(direct_io="auto" or True)``, as ``DataStatesIO(direct_io=...)`` sets it; the plugin's
-default is ``"auto"``): the temporary file is opened a second time with ``O_DIRECT``, and the whole aligned blocks of
+default is ``"auto"``, which keeps network, FUSE and memory file systems on the page cache, see
+:func:`direct_io_suits`): the temporary file is opened a second time with ``O_DIRECT``, and the whole aligned blocks of
 every range are written through that descriptor, bypassing the page cache (straight from memory whose address agrees
 with the file offset modulo the block size, as the engine lays out its arena; through a small aligned bounce buffer
 otherwise); the unaligned head and tail of a range and the metadata go through the buffered descriptor. Where the
@@ -57,6 +58,10 @@ BOUNCE_BYTES = 8 * 1024**2
 #: Directories already warned about for refusing direct I/O (one warning each per process).
 _DIRECT_IO_WARNED: set[str] = set()
 _BOUNCE = threading.local()
+#: File system types ``direct_io="auto"`` writes to with ``O_DIRECT`` (see :func:`direct_io_suits`).
+_DIRECT_IO_FILE_SYSTEMS = frozenset(
+    {"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs", "bcachefs", "jfs", "overlay", "lustre", "gpfs"}
+)
 #: Longest file name most POSIX file systems accept.
 _MAX_NAME_BYTES = 255
 #: A temporary file of another host is only removed once untouched this long by default: its writer may be alive.
@@ -199,8 +204,8 @@ class LocalWriter(StorageWriter):
 
     Args:
         direct_io: ``"auto"`` or True: write whole aligned blocks with ``O_DIRECT`` where the file system allows it,
-            else through the page cache (``"auto"`` quietly, True with a warning once per directory); False
-            (default): through the page cache.
+            else through the page cache (``"auto"`` quietly, and only on the file systems :func:`direct_io_suits`
+            names; True with a warning once per directory); False (default): through the page cache.
     """
 
     #: A class default too: subclasses with their own ``__init__`` need not call this one.
@@ -227,7 +232,8 @@ class LocalWriter(StorageWriter):
             os.makedirs(directory, exist_ok=True)
             fd = os.open(temp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         warn = self.direct_io is True
-        direct_fd = _open_direct(temp_path, directory, warn) if self.direct_io else None
+        wanted = warn or (self.direct_io == "auto" and direct_io_suits(directory))
+        direct_fd = _open_direct(temp_path, directory, warn) if wanted else None
         return LocalWriteSession(path, temp_path, fd, direct_fd, warn)
 
     def exists(self, path: str) -> bool:
@@ -341,6 +347,36 @@ def write_all(fd: int, data: memoryview, offset: int) -> None:
         written = os.pwrite(fd, view, offset)
         view = view[written:]
         offset += written
+
+
+def direct_io_suits(directory: str) -> bool:
+    """Whether ``direct_io="auto"`` writes into ``directory`` with ``O_DIRECT``: on file systems of local block
+    devices and on parallel file systems (Lustre, GPFS), where large aligned writes go straight to the device; not
+    on network and FUSE file systems (NFS, SMB, ...: each direct write becomes a synchronous request, slower than
+    the client's own write-back), nor on tmpfs (memory either way). Unknown (no mount table): True, and a file
+    system that refuses ``O_DIRECT`` still falls back to the page cache."""
+    fstype = _file_system_type(os.path.realpath(directory))
+    return fstype is None or fstype in _DIRECT_IO_FILE_SYSTEMS
+
+
+def _file_system_type(path: str, mountinfo_path: str = "/proc/self/mountinfo") -> str | None:
+    """The type of the file system mounted at the longest mount point containing ``path`` (Linux), or None."""
+    try:
+        with open(mountinfo_path, encoding="utf-8", errors="replace") as mountinfo:
+            lines = mountinfo.readlines()
+    except OSError:
+        return None
+    best, fstype = "", None
+    for line in lines:
+        fields = line.split()
+        if "-" not in fields[6:]:
+            continue
+        # Octal escapes (\040 for a space) in the mount point; the type follows the "-" separator.
+        mount_point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+        inside = path == mount_point or path.startswith(mount_point.rstrip("/") + "/")
+        if inside and len(mount_point) >= len(best):
+            best, fstype = mount_point, fields[fields.index("-", 6) + 1]
+    return fstype
 
 
 def _open_direct(temp_path: str, directory: str, warn: bool) -> int | None:
