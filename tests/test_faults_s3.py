@@ -34,6 +34,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1024**2
 #: Hang guard for waits on subprocesses and servers, not a performance threshold.
 GUARD_S = 120.0
+#: How long requests a stopped process already sent may take to reach the loopback server (a loaded machine).
+SETTLE_S = 1.0
 
 _UPLOADER_SCRIPT = textwrap.dedent(
     """
@@ -110,12 +112,14 @@ def _assert_whole(env, key: str) -> None:
 def _stop_mid_upload(env, key_prefix: str, process: subprocess.Popen[str], committed_first: bool) -> str:
     """SIGSTOP ``process`` while its upload is open; return the upload's key.
 
-    The upload seen open may complete before the signal lands (a loaded machine): then the process goes on, and the
-    next upload is caught instead.
+    The upload seen open may complete before the signal lands (a loaded machine), or a request the process sent just
+    before it stopped (the completion, say) may still reach the server: the check waits for such requests to land
+    first. If the upload is no longer open then, the process goes on, and the next upload is caught instead.
     """
     while True:
         key = _wait_mid_upload(env, key_prefix, process, committed_first)
         process.send_signal(signal.SIGSTOP)
+        time.sleep(SETTLE_S)
         if key in env.open_uploads():
             return key
         process.send_signal(signal.SIGCONT)
