@@ -134,16 +134,20 @@ class ChecksummingSession(WriteSession):
     def write_range(self, offset: int, data: memoryview) -> None:
         """Checksum the parts of ``data`` that belong to records, write ``data``, then any finished record's CRC.
 
-        Large ranges go through in windows, each checksummed and then written while it is still in the CPU
-        cache: the bytes are read from memory once, not once for the CRC and again for the write. Windows end at
-        file offsets that are multiples of :data:`WINDOW_BYTES`, so that with direct I/O only the range's own ends
-        can be partial blocks.
+        Large ranges go through the page cache in windows, each checksummed and then written while it is still in
+        the CPU cache: the bytes are read from memory once, not once for the CRC and again for the kernel's copy.
+        Windows end at file offsets that are multiples of :data:`WINDOW_BYTES`. With direct I/O the device reads
+        the memory itself, so there is nothing to keep in the cache: the whole range is checksummed, then written
+        in one request (large requests suit disks and whole Lustre stripes).
         """
         view = memoryview(data).cast("B")
         end = offset + view.nbytes
         running: dict[int, tuple[int, int, int]] = {}  # slot index -> (first byte, bytes so far, running CRC-32)
         # Window bounds: offset, the multiples of WINDOW_BYTES in between, end (no window when there are no bytes).
-        bounds = [offset, *range(offset - offset % WINDOW_BYTES + WINDOW_BYTES, end, WINDOW_BYTES), end]
+        if self.inner.direct_alignment:
+            bounds = [offset, end]
+        else:
+            bounds = [offset, *range(offset - offset % WINDOW_BYTES + WINDOW_BYTES, end, WINDOW_BYTES), end]
         for window, window_end in itertools.pairwise(bounds if view.nbytes else ()):
             index = max(0, bisect.bisect_right(self._starts, window) - 1)
             while index < len(self._slots) and self._slots[index].data_offset < window_end:

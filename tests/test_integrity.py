@@ -27,7 +27,7 @@ import torch
 import lightning_datastates.checksums as checksums
 from lightning_datastates import CheckpointCorruptError, DataStatesIO
 from lightning_datastates.archive import ArchiveFormatError, read_archive_index
-from lightning_datastates.checksums import ChecksummingSession, combine_pieces, crc32, crc32_combine
+from lightning_datastates.checksums import WINDOW_BYTES, ChecksummingSession, combine_pieces, crc32, crc32_combine
 from lightning_datastates.errors import ConfigError
 from lightning_datastates.integrity import verify_buffer, verify_file
 from lightning_datastates.layout import plan_layout
@@ -161,6 +161,34 @@ def test_pieces_written_out_of_order_from_threads_give_valid_crcs() -> None:
     assert inner.committed
     with zipfile.ZipFile(io.BytesIO(bytes(inner.data))) as archive:
         assert archive.testzip() is None
+    assert verify_buffer(inner.data, "memory").complete
+
+
+@pytest.mark.parametrize("direct_alignment", [None, 4096], ids=["page-cache", "direct"])
+def test_writes_are_windowed_on_file_boundaries_for_the_page_cache_and_whole_for_direct_io(direct_alignment) -> None:
+    """Page cache: 1 MiB windows ending on 1 MiB file offsets (checksummed while in the CPU cache, and never a
+    partial block inside a range). Direct I/O: the device reads memory itself, so each range goes in one request."""
+    checkpoint = {"big": torch.randn(3 * 1024**2 // 4 + 5)}
+    layout, storages = plan_layout(checkpoint)
+    inner = MemorySession(layout.total_bytes)
+    inner.direct_alignment = direct_alignment
+    calls: list[tuple[int, int]] = []
+    real_write = inner.write_range
+    inner.write_range = lambda offset, data: (calls.append((offset, len(data))), real_write(offset, data))  # type: ignore[method-assign]
+    session = ChecksummingSession(inner, layout.checksums)
+    for offset, data in layout.metadata:
+        session.write_range(offset, memoryview(data))
+    (record,) = [r for r in layout.records if r.nbytes]
+    raw = bytes(torch.empty(0, dtype=torch.uint8).set_(storages[record.key]).numpy())
+    calls.clear()
+    session.write_range(record.offset, memoryview(raw))
+    data_calls = [c for c in calls if c[1] != 4]  # without the CRC-32 fields written at the end
+    if direct_alignment:
+        assert data_calls == [(record.offset, record.nbytes)]
+    else:
+        assert len(data_calls) == 4 and all((o + n) % WINDOW_BYTES == 0 for o, n in data_calls[:-1])
+        assert sum(n for _, n in data_calls) == record.nbytes
+    session.complete()
     assert verify_buffer(inner.data, "memory").complete
 
 
