@@ -56,6 +56,7 @@ checkpoint's copy and flush phases, in ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
@@ -512,28 +513,27 @@ def raw_write_throughput(directory: str, nbytes: int, direct: bool = False) -> f
     if direct:
         nbytes = -(-nbytes // 4096) * 4096
     path = os.path.join(directory, f".raw-write-{os.getpid()}.bin")
-    started = time.perf_counter()
+    elapsed: float | None = None
     try:
+        started = time.perf_counter()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (getattr(os, "O_DIRECT", 0) if direct else 0), 0o600)
+        try:
+            left = nbytes
+            while left > 0:
+                left -= os.write(fd, block[: min(left, len(block))])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        elapsed = time.perf_counter() - started  # before the unlink: only the write and the fsync are timed
     except OSError:
         if not direct:
             raise
-        return None
-    try:
-        left = nbytes
-        while left > 0:
-            left -= os.write(fd, block[: min(left, len(block))])
-        os.fsync(fd)
-    except OSError:
-        if not direct:
-            raise
-        return None
     finally:
-        os.close(fd)
-        os.unlink(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
         block.release()
         buffer.close()
-    return nbytes / (time.perf_counter() - started)
+    return None if elapsed is None else nbytes / elapsed
 
 
 def quiet_step_overhead(steps: list[list[float]], checkpoints: list[dict[str, Any]]) -> float | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import mmap
 import threading
 import time
 from collections.abc import Callable
@@ -24,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-#: Blocks start and end on this boundary: page-aligned, so direct I/O can write straight from the arena.
-BLOCK_ALIGNMENT_BYTES = 4096
+#: Blocks start and end on this boundary: page-aligned (at least 4 KiB): direct I/O writes straight from the arena.
+BLOCK_ALIGNMENT_BYTES = max(4096, mmap.PAGESIZE)
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from lightning_datastates.layout import (
     plan_serialized_layout,
     storage_alignment,
 )
-from lightning_datastates.snapshot.arena import HostArena, address_view
+from lightning_datastates.snapshot.arena import BLOCK_ALIGNMENT_BYTES, HostArena, address_view
 from lightning_datastates.snapshot.chunks import Chunk, plan_chunks
 from lightning_datastates.snapshot.copier import CopierSet
 from lightning_datastates.snapshot.direct import WRITE_THROUGH_CHUNK_BYTES, WriteThrough
@@ -124,7 +124,9 @@ class SnapshotEngine:
         """
         started_at = time.perf_counter()
         layout, storages = self._plan(checkpoint)
-        arena = self._ensure_arena(layout.payload_bytes)
+        # Room for the padding of chunk planning too (pieces placed in phase for direct I/O, blocks rounded up to
+        # pages), so that a checkpoint the size of the default arena fits in it whole and the copy never waits.
+        arena = self._ensure_arena(layout.payload_bytes + (len(layout.records) + 1) * 2 * BLOCK_ALIGNMENT_BYTES)
         skip_reason = self._admit(layout, arena, may_skip=lazy is not None and not awaits_commit)
         if skip_reason is not None:
             return self._skip(path, layout, started_at, skip_reason)

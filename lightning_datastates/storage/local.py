@@ -50,9 +50,10 @@ _TEMP_PATTERN = re.compile(
 )
 log = logging.getLogger("lightning_datastates")
 
-#: Offsets, lengths and memory addresses of direct writes are multiples of this (the page size; every common
-#: device's logical block size divides it).
-DIRECT_IO_ALIGNMENT = 4096
+#: Offsets, lengths and memory addresses of direct writes are multiples of this: the page size, at least 4 KiB (every
+#: common device's logical block size divides it). A whole page, so that the partial pages written through the page
+#: cache never share a page with a direct write (64 KiB pages on some ARM and POWER kernels).
+DIRECT_IO_ALIGNMENT = max(4096, mmap.PAGESIZE)
 #: Size of the per-thread aligned buffer that direct writes from unaligned memory are copied through.
 BOUNCE_BYTES = 8 * 1024**2
 #: Directories already warned about for refusing direct I/O (one warning each per process).
@@ -138,8 +139,10 @@ class PositionalFileSession(WriteSession):
                 if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                     raise
                 _no_direct_io(os.path.dirname(self.path) or ".", exc, self._warn_refused)
-                self._direct_fd = None  # other threads may still use the descriptor: closed with the session
-                self._retired_fds.append(direct_fd)
+                with self._lock:  # several writers may be refused at once: the descriptor is retired exactly once
+                    if self._direct_fd == direct_fd:
+                        self._direct_fd = None  # other threads may still use the descriptor: closed with the session
+                        self._retired_fds.append(direct_fd)
                 write_all(fd, view[start - offset : stop - offset], start)
             if stop < offset + view.nbytes:
                 write_all(fd, view[stop - offset :], stop)
@@ -232,8 +235,14 @@ class LocalWriter(StorageWriter):
             os.makedirs(directory, exist_ok=True)
             fd = os.open(temp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         warn = self.direct_io is True
-        wanted = warn or (self.direct_io == "auto" and direct_io_suits(directory))
-        direct_fd = _open_direct(temp_path, directory, warn) if wanted else None
+        try:
+            wanted = warn or (self.direct_io == "auto" and direct_io_suits(directory))
+            direct_fd = _open_direct(temp_path, directory, warn) if wanted else None
+        except BaseException:  # EMFILE, ENOMEM, ...: leave neither a descriptor nor the temporary file behind
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(temp_path)
+            raise
         return LocalWriteSession(path, temp_path, fd, direct_fd, warn)
 
     def exists(self, path: str) -> bool:
@@ -369,13 +378,14 @@ def _file_system_type(path: str, mountinfo_path: str = "/proc/self/mountinfo") -
     best, fstype = "", None
     for line in lines:
         fields = line.split()
-        if "-" not in fields[6:]:
-            continue
+        separator = fields.index("-", 6) if "-" in fields[6:] else len(fields)
+        if separator + 1 >= len(fields):
+            continue  # not a mountinfo line
         # Octal escapes (\040 for a space) in the mount point; the type follows the "-" separator.
         mount_point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
         inside = path == mount_point or path.startswith(mount_point.rstrip("/") + "/")
         if inside and len(mount_point) >= len(best):
-            best, fstype = mount_point, fields[fields.index("-", 6) + 1]
+            best, fstype = mount_point, fields[separator + 1]
     return fstype
 
 
