@@ -260,6 +260,38 @@ def test_memory_the_device_cannot_map_is_written_through_the_bounce_buffer(tmp_p
     source.close()
 
 
+def test_a_direct_descriptor_refused_by_two_writers_at_once_is_closed_once(tmp_path, monkeypatch) -> None:
+    session = LocalWriter(direct_io=True).begin(str(tmp_path / "d.ckpt"), 0)
+    if not session.direct_io:
+        session.abort()
+        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    direct_fd, real_pwrite, real_close = session._direct_fd, os.pwrite, os.close
+    both_inside = threading.Barrier(2, timeout=30)
+    closes: list[int] = []
+
+    def refusing_pwrite(fd, data, offset):  # both writers are refused before either falls back
+        if fd == direct_fd:
+            both_inside.wait()
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    def counting_close(fd):
+        closes.append(fd)
+        real_close(fd)
+
+    monkeypatch.setattr(local_module.os, "pwrite", refusing_pwrite)
+    monkeypatch.setattr(local_module.os, "close", counting_close)
+    data = os.urandom(4 * 4096)
+    halves = [(0, memoryview(data)[: 2 * 4096]), (2 * 4096, memoryview(data)[2 * 4096 :])]
+    threads = [threading.Thread(target=session.write_range, args=half) for half in halves]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    session.complete()
+    assert closes.count(direct_fd) == 1 and (tmp_path / "d.ckpt").read_bytes() == data
+
+
 def test_a_direct_write_refused_midway_falls_back_to_buffered_writes(tmp_path, monkeypatch, caplog) -> None:
     session = LocalWriter(direct_io=True).begin(str(tmp_path / "d.ckpt"), 0)
     if not session.direct_io:
