@@ -158,7 +158,24 @@ class ChecksummingSession(WriteSession):
                     running[index] = (first, nbytes + hi - lo, crc32(view[lo - offset : hi - offset], crc))
                 index += 1
             self.inner.write_range(window, view[window - offset : window_end - offset])
-        parts = [(index, first, nbytes, crc) for index, (first, nbytes, crc) in running.items()]
+        self._add_parts([(index, first, nbytes, crc) for index, (first, nbytes, crc) in running.items()])
+
+    def write_checksummed_range(self, offset: int, data: memoryview, crc: int) -> None:
+        """Write ``data`` at ``offset`` whose CRC-32 the caller already computed (the copier does, while the bytes are
+        in the CPU cache), then any finished record's CRC. A range that is not inside one record is checksummed
+        here, as by :meth:`write_range`.
+        """
+        view = memoryview(data).cast("B")
+        index = bisect.bisect_right(self._starts, offset) - 1
+        slot = self._slots[index] if index >= 0 else None
+        if not view.nbytes or slot is None or offset + view.nbytes > slot.data_offset + slot.nbytes:
+            self.write_range(offset, view)
+            return
+        self.inner.write_range(offset, view)
+        self._add_parts([(index, offset, view.nbytes, crc)])
+
+    def _add_parts(self, parts: list[tuple[int, int, int, int]]) -> None:
+        """Account written ``(slot index, first byte, bytes, CRC-32)`` parts; write the CRC of records now whole."""
         finished = []
         with self._lock:
             for index, lo, nbytes, crc in parts:

@@ -192,6 +192,39 @@ def test_writes_are_windowed_on_file_boundaries_for_the_page_cache_and_whole_for
     assert verify_buffer(inner.data, "memory").complete
 
 
+def test_a_known_crc_is_taken_inside_a_record_and_ranges_across_records_are_checksummed() -> None:
+    session, inner, pieces = _session_and_pieces(_checkpoint())
+    metadata = len(plan_layout(_checkpoint())[0].metadata)  # the first pieces; the payload pieces follow
+    for offset, data in pieces[metadata:]:  # every payload piece with the CRC its producer computed
+        session.write_checksummed_range(offset, memoryview(data), zlib.crc32(data))
+    for offset, data in pieces[:metadata]:  # no record inside: a "known" CRC is ignored, nothing is counted
+        session.write_checksummed_range(offset, memoryview(data), 0xDEADBEEF)
+    session.complete()
+    assert verify_buffer(inner.data, "memory").complete
+    # A range across two records (a metadata gap between them): its pieces are checksummed here, not taken on trust.
+    layout, _ = plan_layout(_checkpoint())
+    first, second = sorted((r for r in layout.records if r.nbytes), key=lambda r: r.offset)[:2]
+    spanning = ChecksummingSession(MemorySession(layout.total_bytes), layout.checksums)
+    spanning.write_checksummed_range(first.offset, memoryview(bytes(second.offset + 8 - first.offset)), 0xDEADBEEF)
+    assert spanning._written[spanning._starts.index(first.offset)] == first.nbytes
+
+
+def test_the_copier_crc_is_what_the_file_carries(tmp_path, monkeypatch) -> None:
+    """Host tensors are checksummed by the copier while the bytes are in the CPU cache, and writers trust it: a wrong
+    copier CRC makes a file that fails verification (so the writers really do not recompute it)."""
+    from lightning_datastates.snapshot import copier as copier_module
+
+    checkpoint = {**_checkpoint(), "big": torch.randn(300_000)}
+    _save(str(tmp_path / "good.ckpt"), checkpoint, lazy=True)
+    assert verify_file(str(tmp_path / "good.ckpt")).complete
+    real_copy = copier_module.CpuCopier.copy
+    monkeypatch.setattr(copier_module.CpuCopier, "copy", lambda self, d, s, m: real_copy(self, d, s, m) ^ 1)
+    _save(str(tmp_path / "bad.ckpt"), checkpoint, lazy=True)
+    with pytest.raises(CheckpointCorruptError):
+        verify_file(str(tmp_path / "bad.ckpt"))
+    assert_bit_equal(torch.load(str(tmp_path / "bad.ckpt"), weights_only=True), checkpoint)  # the bytes are right
+
+
 def test_commit_is_refused_when_a_record_was_not_written_whole() -> None:
     session, inner, pieces = _session_and_pieces(_checkpoint())
     payload = [p for p in pieces if len(p[1]) == 1000]

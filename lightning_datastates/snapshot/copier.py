@@ -2,18 +2,27 @@
 
 Call order, per snapshot:
   1) ``mark()`` on the training thread, at capture: remembers "everything queued on the device so far";
-  2) ``copy(dst, src, mark)`` on the copier thread, once per chunk: returns when ``dst`` holds the bytes.
+  2) ``copy(dst, src, mark)`` on the copier thread, once per piece: returns when ``dst`` holds the bytes, with their
+     CRC-32 where computing it on the way was free.
 
-``CpuCopier`` copies with a plain ``Tensor.copy_`` (torch releases the GIL for it, so training goes on).
+``CpuCopier`` copies window by window with ``memmove`` (the GIL is released meanwhile, so training goes on) and
+checksums each window right after copying it, while it is still in the CPU cache: the writer threads then need not
+read the bytes again for the CRC (one pass over memory fewer per checkpoint).
 ``CudaCopier`` issues ``non_blocking`` copies on its own stream, ordered after the mark, into pinned memory,
 so the DMA engine overlaps the next forward and backward; only the copier thread waits for them.
 """
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any, Protocol
 
 import torch
+
+from lightning_datastates.checksums import crc32
+
+#: Bytes copied, then checksummed, in one go: small enough to stay in the CPU cache in between.
+COPY_WINDOW_BYTES = 512 * 1024
 
 
 class Copier(Protocol):
@@ -22,8 +31,9 @@ class Copier(Protocol):
     def mark(self) -> Any:
         """Training thread, at capture: a token that orders later copies after work already queued."""
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, mark: Any) -> None:
-        """Copier thread: copy ``src`` into ``dst`` (equal-sized ``uint8`` tensors) and return when done."""
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, mark: Any) -> int | None:
+        """Copier thread: copy ``src`` into ``dst`` (equal-sized contiguous ``uint8`` tensors) and return when done;
+        the CRC-32 of the bytes if the copier computed it on the way, else None."""
 
 
 class CpuCopier:
@@ -33,9 +43,19 @@ class CpuCopier:
         """Nothing to order: CPU work of the training thread is already done when the save is called."""
         return None
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, mark: Any) -> None:
-        """Copy ``src`` into ``dst``."""
-        dst.copy_(src)
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, mark: Any) -> int | None:
+        """Copy ``src`` into ``dst``; return the CRC-32 of the bytes (None from a device other than the CPU)."""
+        if src.device.type != "cpu":  # a device without streams (MPS, XPU, ...): no host address to copy from
+            dst.copy_(src)
+            return None
+        nbytes = src.numel()
+        source, target = src.data_ptr(), dst.data_ptr()
+        crc = 0
+        for start in range(0, nbytes, COPY_WINDOW_BYTES):
+            size = min(COPY_WINDOW_BYTES, nbytes - start)
+            ctypes.memmove(target + start, source + start, size)
+            crc = crc32((ctypes.c_char * size).from_address(target + start), crc)
+        return crc
 
 
 class CudaCopier:
@@ -52,8 +72,9 @@ class CudaCopier:
         event.record(torch.cuda.current_stream(self.device))
         return event
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, mark: Any) -> None:
-        """Issue the copy on the copy stream and wait for it here, on the copier thread."""
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, mark: Any) -> int | None:
+        """Issue the copy on the copy stream and wait for it here, on the copier thread; None: the bytes arrive by
+        DMA, not through the CPU cache, so the writer threads checksum them."""
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             # Order after the capture point: the state must be read as it was when save_checkpoint ran.
             self.stream.wait_event(mark)
@@ -64,6 +85,7 @@ class CudaCopier:
             done.record(self.stream)
         # Block only this thread: the chunk may be written to storage once the DMA finished.
         done.synchronize()
+        return None
 
 
 class CopierSet:

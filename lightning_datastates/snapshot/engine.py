@@ -45,7 +45,7 @@ from lightning_datastates.snapshot.direct import WRITE_THROUGH_CHUNK_BYTES, Writ
 from lightning_datastates.snapshot.job import JobState, SnapshotJob, SnapshotStats
 from lightning_datastates.snapshot.resident import ResidentCache
 from lightning_datastates.snapshot.sharing import FollowerWrite, SharedCopies, SharingCounters
-from lightning_datastates.storage.base import StorageWriter
+from lightning_datastates.storage.base import StorageWriter, WriteSession
 
 log = logging.getLogger("lightning_datastates")
 
@@ -64,6 +64,8 @@ _PENDING_PER_WRITER = 2
 THREAD_NICE_ENV = "LIGHTNING_DATASTATES_THREAD_NICE"
 
 LazyPredicate = Callable[[torch.UntypedStorage], bool]
+#: Block offset of a piece in its arena block -> (its size, the CRC-32 the copier computed while copying it).
+PieceCrcs = dict[int, tuple[int, int]]
 
 
 class SnapshotEngine:
@@ -565,20 +567,23 @@ class SnapshotEngine:
             return  # failed or superseded, and no other checkpoint follows it: the bytes would never be committed
         assert self.arena is not None and job.sources is not None
         block = self.arena.allocate(chunk.block_bytes)  # back-pressure: waits for writers to free space
+        crcs: PieceCrcs = {}  # where the copier computed them
         try:
             destination = self.arena.tensor(block)
             for piece in chunk.pieces:
                 storage = job.sources[piece.key]
                 source = _byte_view(storage)[piece.source_offset : piece.source_offset + piece.nbytes]
                 target = destination[piece.block_offset : piece.block_offset + piece.nbytes]
-                self._copiers.for_device(storage.device).copy(target, source, job.marks.get(storage.device))
+                crc = self._copiers.for_device(storage.device).copy(target, source, job.marks.get(storage.device))
+                if crc is not None:
+                    crcs[piece.block_offset] = (piece.nbytes, crc)
         except BaseException:
             self.arena.free(block)
             raise
         self._sharing.count_copied(sum(piece.nbytes for piece in chunk.pieces))
         job.add_outstanding()
         self._sharing.mark_queued(chunk)  # from here on a writer serves the chunk's followers
-        self._write_queue.put(("chunk", job, chunk, block))
+        self._write_queue.put(("chunk", job, chunk, block, crcs))
 
     # ------------------------------------------------------------------ writer threads
     def _write_loop(self) -> None:
@@ -605,13 +610,13 @@ class SnapshotEngine:
                             job.session.write_range(offset, memoryview(data))
                             job.add_written(len(data))
                     else:
-                        self._write_chunk(job, task[2], self._block_bytes(task[3]))
+                        self._write_chunk(job, task[2], self._block_bytes(task[3]), task[4])
             except BaseException as exc:  # noqa: BLE001 - reported on the training thread, never lost
                 job.fail(exc)
             finally:
                 if kind == "chunk":
                     assert self.arena is not None
-                    followers = self._write_followers(task[2], self._block_bytes(task[3]))
+                    followers = self._write_followers(task[2], self._block_bytes(task[3]), task[4])
                     self._retire_block(job, task[2], task[3], followers)
                 job.release()
 
@@ -620,11 +625,20 @@ class SnapshotEngine:
         assert self.arena is not None
         return _slicer(self.arena.memoryview(block))
 
-    def _write_chunk(self, job: SnapshotJob, chunk: Chunk, bytes_at: Callable[[int, int], memoryview]) -> None:
+    def _write_chunk(
+        self,
+        job: SnapshotJob,
+        chunk: Chunk,
+        bytes_at: Callable[[int, int], memoryview],
+        crcs: PieceCrcs | None = None,
+    ) -> None:
         """Write ``chunk``'s pieces into ``job``'s file, each from ``bytes_at(block_offset, nbytes)`` (its arena
-        block, or the training tensors themselves)."""
+        block, or the training tensors themselves), with the CRC-32 the copier computed where it did (``crcs``, by
+        block offset)."""
         for piece in chunk.pieces:
-            job.session.write_range(piece.file_offset, bytes_at(piece.block_offset, piece.nbytes))
+            _write_piece(
+                job.session, piece.file_offset, bytes_at(piece.block_offset, piece.nbytes), crcs, piece.block_offset
+            )
             job.add_written(piece.nbytes)
 
     def _write_through(self, job: SnapshotJob, chunk: Chunk) -> None:
@@ -655,17 +669,18 @@ class SnapshotEngine:
             job.write_through.done(chunk)
 
     def _write_followers(
-        self, chunk: Chunk, bytes_at: Callable[[int, int], memoryview]
+        self, chunk: Chunk, bytes_at: Callable[[int, int], memoryview], crcs: PieceCrcs | None = None
     ) -> list[tuple[SnapshotJob, list[FollowerWrite]]]:
         """Write ``chunk``'s bytes (``bytes_at(block_offset, nbytes)``) into every checkpoint that shares it, at
-        that checkpoint's own offsets; return those checkpoints (the caller releases them)."""
+        that checkpoint's own offsets; return those checkpoints (the caller releases them). Each write is a whole
+        piece of the chunk (sharing.py), so its CRC-32 in ``crcs`` (by block offset) holds for it too."""
         followers = self._sharing.take_followers(chunk)
         for follower, writes in followers:
             try:
                 if not follower.stopped:
                     for write in writes:
                         data = bytes_at(write.block_offset, write.nbytes)
-                        follower.session.write_range(write.file_offset, data)
+                        _write_piece(follower.session, write.file_offset, data, crcs, write.block_offset)
                         follower.add_written(write.nbytes)
             except BaseException as exc:  # noqa: BLE001 - reported on the training thread, never lost
                 follower.fail(exc)
@@ -779,6 +794,17 @@ def lower_thread_priority() -> int:
         log.warning("lightning_datastates: cannot lower the priority of %s: %s", threading.current_thread().name, exc)
         return 0
     return increment
+
+
+def _write_piece(
+    session: WriteSession, file_offset: int, data: memoryview, crcs: PieceCrcs | None, block_offset: int
+) -> None:
+    """Write one piece at ``file_offset``, handing over its CRC-32 when the copier computed it for these bytes."""
+    known = None if crcs is None else crcs.get(block_offset)
+    if known is None or known[0] != data.nbytes:
+        session.write_range(file_offset, data)
+    else:
+        session.write_checksummed_range(file_offset, data, known[1])
 
 
 def _slicer(view: memoryview) -> Callable[[int, int], memoryview]:

@@ -36,6 +36,11 @@ class WriteSession(ABC):
     def write_range(self, offset: int, data: memoryview) -> None:
         """Write ``data`` at byte ``offset`` of the file (thread-safe)."""
 
+    def write_checksummed_range(self, offset: int, data: memoryview, crc: int) -> None:
+        """:meth:`write_range`, for bytes whose CRC-32 the caller already knows; a session that keeps checksums uses
+        it instead of reading the bytes again (see :mod:`~lightning_datastates.checksums`), others ignore it."""
+        self.write_range(offset, data)
+
     @abstractmethod
     def complete(self) -> None:
         """Make the file durable and visible under its final name, atomically."""
