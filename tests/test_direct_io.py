@@ -24,7 +24,7 @@ from lightning_datastates.archive import read_archive_index
 from lightning_datastates.errors import ConfigError
 from lightning_datastates.layout import plan_layout
 from lightning_datastates.storage import local as local_module
-from lightning_datastates.storage.local import DIRECT_IO_ALIGNMENT, LocalWriter
+from lightning_datastates.storage.local import DIRECT_IO_ALIGNMENT, LocalWriter, LocalWriteSession
 from tests.conftest import assert_bit_equal, in_background
 
 
@@ -44,6 +44,15 @@ def _direct_io_works(directory: str) -> bool:
     finally:
         os.close(fd)
         os.unlink(path)
+
+
+def _direct_session(tmp_path) -> LocalWriteSession:
+    """A session writing ``tmp_path/d.ckpt`` with O_DIRECT; the test is skipped where the file system refuses it."""
+    session = LocalWriter(direct_io=True).begin(str(tmp_path / "d.ckpt"), 0)
+    if not session.direct_io:
+        session.abort()
+        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    return session
 
 
 def _records(path: str):
@@ -236,10 +245,7 @@ def test_direct_writes_come_straight_from_the_arena_without_a_bounce_copy(tmp_pa
 
 def test_memory_the_device_cannot_map_is_written_through_the_bounce_buffer(tmp_path, monkeypatch) -> None:
     """Some drivers' page-locked host buffers fail O_DIRECT with EFAULT: those writes go through the bounce buffer."""
-    session = LocalWriter(direct_io=True).begin(str(tmp_path / "d.ckpt"), 0)
-    if not session.direct_io:
-        session.abort()
-        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    session = _direct_session(tmp_path)
     direct_fd, real_pwrite, refused = session._direct_fd, os.pwrite, []
 
     def pwrite(fd, data, offset):  # any memory but this thread's bounce buffer acts as "driver memory"
@@ -261,10 +267,7 @@ def test_memory_the_device_cannot_map_is_written_through_the_bounce_buffer(tmp_p
 
 
 def test_a_direct_descriptor_refused_by_two_writers_at_once_is_closed_once(tmp_path, monkeypatch) -> None:
-    session = LocalWriter(direct_io=True).begin(str(tmp_path / "d.ckpt"), 0)
-    if not session.direct_io:
-        session.abort()
-        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    session = _direct_session(tmp_path)
     direct_fd, real_pwrite, real_close = session._direct_fd, os.pwrite, os.close
     both_inside = threading.Barrier(2, timeout=30)
     closes: list[int] = []
@@ -293,10 +296,7 @@ def test_a_direct_descriptor_refused_by_two_writers_at_once_is_closed_once(tmp_p
 
 
 def test_a_direct_write_refused_midway_falls_back_to_buffered_writes(tmp_path, monkeypatch, caplog) -> None:
-    session = LocalWriter(direct_io=True).begin(str(tmp_path / "d.ckpt"), 0)
-    if not session.direct_io:
-        session.abort()
-        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    session = _direct_session(tmp_path)
     direct_fd = session._direct_fd
     real_pwrite = os.pwrite
 
