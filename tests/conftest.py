@@ -130,9 +130,9 @@ def slow_copies(monkeypatch: pytest.MonkeyPatch) -> None:
     original = copier_module.CpuCopier.copy
     original_host_bytes = engine_module._host_bytes
 
-    def slow_copy(self: Any, dst: torch.Tensor, src: torch.Tensor, mark: Any) -> None:
+    def slow_copy(self: Any, dst: torch.Tensor, src: torch.Tensor, mark: Any) -> int | None:
         time.sleep(0.002)
-        original(self, dst, src, mark)
+        return original(self, dst, src, mark)  # the CRC computed on the way, as without the delay
 
     def slow_host_bytes(storage: torch.UntypedStorage, offset: int, nbytes: int) -> memoryview:
         time.sleep(0.002)

@@ -66,11 +66,12 @@ def plan_chunks(records: Iterable[StorageRecord], chunk_bytes: int, phase_bytes:
         done = 0
         while done < record.nbytes:
             file_offset = record.offset + done
-            phased = phase_bytes is not None and record.nbytes - done >= phase_bytes
-            start = _in_phase(filled, file_offset, phase_bytes) if phased else _align_up(filled)
+            # Only a piece that can hold a whole disk block is placed in phase.
+            phase = phase_bytes if phase_bytes is not None and record.nbytes - done >= phase_bytes else None
+            start = _in_phase(filled, file_offset, phase) if phase else _align_up(filled)
             if start >= chunk_bytes:
                 close_chunk()
-                start = _in_phase(0, file_offset, phase_bytes) if phased else 0
+                start = _in_phase(0, file_offset, phase) if phase else 0
             take = min(record.nbytes - done, chunk_bytes - start)
             pieces.append(Piece(record.key, done, take, start, file_offset))
             filled = start + take
@@ -83,7 +84,6 @@ def _align_up(nbytes: int) -> int:
     return -(-nbytes // PIECE_ALIGNMENT_BYTES) * PIECE_ALIGNMENT_BYTES
 
 
-def _in_phase(filled: int, file_offset: int, phase_bytes: int | None) -> int:
+def _in_phase(filled: int, file_offset: int, phase_bytes: int) -> int:
     """The first block offset from ``filled`` that is congruent to ``file_offset`` modulo ``phase_bytes``."""
-    assert phase_bytes is not None
     return filled + (file_offset - filled) % phase_bytes

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import torch
 
 from lightning_datastates.checksums import crc32
+from lightning_datastates.snapshot.arena import address_view
 
 #: Bytes copied, then checksummed, in one go: small enough to stay in the CPU cache in between.
 COPY_WINDOW_BYTES = 512 * 1024
@@ -54,7 +55,7 @@ class CpuCopier:
         for start in range(0, nbytes, COPY_WINDOW_BYTES):
             size = min(COPY_WINDOW_BYTES, nbytes - start)
             ctypes.memmove(target + start, source + start, size)
-            crc = crc32((ctypes.c_char * size).from_address(target + start), crc)
+            crc = crc32(address_view(target + start, size), crc)
         return crc
 
 

@@ -143,9 +143,8 @@ class SnapshotEngine:
         session = checksummed(writer.begin(path, layout.total_bytes), layout.checksums)
         # Direct I/O: pieces sit in their arena block as in the file, modulo the disk block, so that writes need no
         # bounce copy (chunks.py); chunks are cut from the arena, which is page-aligned, so blocks of a disk block.
-        phase_bytes = (
-            session.direct_alignment if session.direct_alignment and session.direct_alignment <= chunk_bytes else None
-        )
+        alignment = session.direct_alignment
+        phase_bytes = alignment if alignment and alignment <= chunk_bytes else None
         try:
             job = SnapshotJob(
                 path=path,
@@ -615,7 +614,6 @@ class SnapshotEngine:
                 job.fail(exc)
             finally:
                 if kind == "chunk":
-                    assert self.arena is not None
                     followers = self._write_followers(task[2], self._block_bytes(task[3]), task[4])
                     self._retire_block(job, task[2], task[3], followers)
                 job.release()

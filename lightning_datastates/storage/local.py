@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import logging
 import mmap
 import os
@@ -358,12 +359,14 @@ def write_all(fd: int, data: memoryview, offset: int) -> None:
         offset += written
 
 
+@functools.lru_cache(maxsize=256)
 def direct_io_suits(directory: str) -> bool:
     """Whether ``direct_io="auto"`` writes into ``directory`` with ``O_DIRECT``: on file systems of local block
     devices and on parallel file systems (Lustre, GPFS), where large aligned writes go straight to the device; not
     on network and FUSE file systems (NFS, SMB, ...: each direct write becomes a synchronous request, slower than
     the client's own write-back), nor on tmpfs (memory either way). Unknown (no mount table): True, and a file
-    system that refuses ``O_DIRECT`` still falls back to the page cache."""
+    system that refuses ``O_DIRECT`` still falls back to the page cache. Answered once per directory: the mount
+    table is not read again on every save."""
     fstype = _file_system_type(os.path.realpath(directory))
     return fstype is None or fstype in _DIRECT_IO_FILE_SYSTEMS
 
