@@ -13,6 +13,12 @@ plan is self-checked against torch's own zip reader (:func:`_check_layout`); whe
 :class:`LayoutUnsupported` tells the caller to fall back to a plain ``torch.save``, whose bytes
 :func:`plan_serialized_layout` turns into a layout as well.
 
+Saves during training repeat the same structure (the same storages in the same order, a ``data.pkl`` of the same
+length), so the plan differs only in content, never in where anything lies. :class:`VerifiedStructures` remembers
+the structures already checked; a plan whose structural bytes (every byte except the payloads of the records that are
+not storages, such as ``data.pkl``, and their CRC-32 fields) equal one of them skips the self-check and the archive
+index, about a third of the planning time.
+
 Checksums: under ``skip_data`` torch cannot know the payloads' CRC-32s, so the layout leaves every non-empty
 record's CRC-32 fields (central directory entry and data descriptor) out of the metadata and lists them as
 :class:`ChecksumSlot` s; the writer computes and fills them (:mod:`~lightning_datastates.checksums`). Metadata,
@@ -24,12 +30,13 @@ This module is pure: no threads, no files, no devices beyond reading tensor meta
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 import io
 import pickle
 import threading
 import types
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,11 +123,14 @@ def storage_alignment(alignment: int | None) -> Iterator[None]:
 _ALIGNMENT_LOCK = threading.Lock()
 
 
-def plan_layout(checkpoint: Any, alignment: int | None = None) -> tuple[CheckpointLayout, list[torch.UntypedStorage]]:
+def plan_layout(
+    checkpoint: Any, alignment: int | None = None, verified: VerifiedStructures | None = None
+) -> tuple[CheckpointLayout, list[torch.UntypedStorage]]:
     """Plan the file layout of ``torch.save(checkpoint)``; return it with the storages, indexed by record key.
 
     With ``alignment``, every storage's data starts at a file offset that is a multiple of it (see
-    :func:`storage_alignment`).
+    :func:`storage_alignment`). With ``verified``, a plan of a structure checked before skips the self-check (and
+    a new structure is remembered there once checked).
 
     One pickling pass: torch's own ``persistent_id`` names each storage's record key, and a pickler base class
     (:func:`_recording_pickle_module`) writes down which storage got which key, so the mapping is torch's, not a
@@ -139,14 +149,92 @@ def plan_layout(checkpoint: Any, alignment: int | None = None) -> tuple[Checkpoi
     records = _match_records(sink.holes, storages)
     if alignment is not None and any(r.offset % alignment for r in records if r.nbytes):
         raise LayoutUnsupported(f"torch did not align the records to {alignment} bytes")
-    _check_layout(CheckpointLayout(metadata=tuple(sink.segments), records=records, total_bytes=sink.size))
     segments = tuple(sink.segments)
-    slots = _checksum_slots(SegmentReader(segments, sink.size).read_at, sink.size)
-    holes = {(r.offset, r.nbytes) for r in records if r.nbytes}
-    if not holes <= {(slot.data_offset, slot.nbytes) for slot in slots}:
-        raise LayoutUnsupported("a storage's hole is not exactly one record of the archive")
+    slots = None if verified is None else verified.find(segments, sink.holes, sink.size)
+    if slots is None:
+        _check_layout(CheckpointLayout(metadata=segments, records=records, total_bytes=sink.size))
+        slots = _checksum_slots(SegmentReader(segments, sink.size).read_at, sink.size)
+        holes = {(r.offset, r.nbytes) for r in records if r.nbytes}
+        if not holes <= {(slot.data_offset, slot.nbytes) for slot in slots}:
+            raise LayoutUnsupported("a storage's hole is not exactly one record of the archive")
+        if verified is not None:
+            verified.add(segments, sink.holes, sink.size, slots)
     layout = CheckpointLayout(_without_fields(segments, slots), records, sink.size, slots)
     return layout, storages
+
+
+class VerifiedStructures:
+    """Archive structures that passed :func:`plan_layout`'s self-check, most recent first (a few: the structures
+    one training run alternates between).
+
+    A structure is the file size, the holes, where each metadata segment lies, and every metadata byte except the
+    payloads of records that are not storages (``data.pkl``, ``version``, the serialization id, ...) and their CRC-32
+    fields. torch's zip reader finds each record through headers and the central directory alone, all of which are
+    in those bytes, so a plan whose structure equals a verified one places every record where that one did: its
+    check would pass, and its checksum slots are the same. Thread-safe.
+    """
+
+    def __init__(self, capacity: int = 4) -> None:
+        self._capacity = capacity
+        self._entries: collections.OrderedDict[tuple[Any, ...], tuple[bytes, tuple[ChecksumSlot, ...]]]
+        self._entries = collections.OrderedDict()
+        self._lock = threading.Lock()
+        #: Plans that found their structure here (for tests and diagnostics).
+        self.hits = 0
+
+    def find(
+        self, segments: tuple[tuple[int, bytes], ...], holes: list[tuple[int, int]], size: int
+    ) -> tuple[ChecksumSlot, ...] | None:
+        """The checksum slots of the verified structure equal to this plan's; None if there is none."""
+        key = _structure_key(segments, holes, size)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key, last=False)
+        if entry is None:
+            return None
+        structure, slots = entry
+        if _structural_bytes(segments, slots, holes) != structure:
+            return None
+        with self._lock:
+            self.hits += 1
+        return slots
+
+    def add(
+        self,
+        segments: tuple[tuple[int, bytes], ...],
+        holes: list[tuple[int, int]],
+        size: int,
+        slots: tuple[ChecksumSlot, ...],
+    ) -> None:
+        """Remember a structure that passed the self-check, with its checksum slots."""
+        key, entry = _structure_key(segments, holes, size), (_structural_bytes(segments, slots, holes), slots)
+        with self._lock:
+            self._entries[key] = entry
+            self._entries.move_to_end(key, last=False)
+            while len(self._entries) > self._capacity:
+                self._entries.popitem()
+
+
+def _structure_key(segments: tuple[tuple[int, bytes], ...], holes: list[tuple[int, int]], size: int) -> tuple[Any, ...]:
+    """Where everything lies: the file size, the holes and each metadata segment's span (cheap to compare)."""
+    return size, tuple(holes), tuple((offset, len(data)) for offset, data in segments)
+
+
+def _structural_bytes(
+    segments: tuple[tuple[int, bytes], ...], slots: tuple[ChecksumSlot, ...], holes: list[tuple[int, int]]
+) -> bytes:
+    """The metadata bytes without the payloads and CRC-32 fields of the records that are not storages: the bytes
+    that may differ between saves of one structure. (The storages' CRC-32 fields, which torch leaves as
+    placeholders under ``skip_data``, stay in: comparing more bytes than needed only costs a check.)"""
+    storage_payloads = set(holes)
+    volatile = [
+        (start, nbytes)
+        for slot in slots
+        if (slot.data_offset, slot.nbytes) not in storage_payloads
+        for start, nbytes in ((slot.data_offset, slot.nbytes), *((field, CRC_FIELD_BYTES) for field in slot.crc_fields))
+    ]
+    return b"".join(data for _, data in _cut(segments, volatile))
 
 
 def plan_serialized_layout(data: bytes) -> CheckpointLayout:
@@ -174,22 +262,40 @@ def _without_fields(
     segments: tuple[tuple[int, bytes], ...], slots: tuple[ChecksumSlot, ...]
 ) -> tuple[tuple[int, bytes], ...]:
     """``segments`` with the bytes of every CRC-32 field of ``slots`` cut out (those the writer fills)."""
-    fields = sorted(field for slot in slots for field in slot.crc_fields)
+    return _cut(segments, [(field, CRC_FIELD_BYTES) for slot in slots for field in slot.crc_fields])
+
+
+def _cut(segments: Iterable[tuple[int, bytes]], ranges: list[tuple[int, int]]) -> tuple[tuple[int, bytes], ...]:
+    """``segments`` with the ``(offset, nbytes)`` ranges cut out; each range lies inside one segment.
+
+    Raises:
+        LayoutUnsupported: a range straddles a segment's end.
+    """
+    ranges = sorted(r for r in ranges if r[1])
+    starts = [start for start, _ in ranges]
     result: list[tuple[int, bytes]] = []
     for offset, data in segments:
         position, end = offset, offset + len(data)
-        index = bisect.bisect_left(fields, offset - CRC_FIELD_BYTES + 1)
-        while index < len(fields) and fields[index] < end:
-            field = fields[index]
-            if field < position or field + CRC_FIELD_BYTES > end:
-                raise LayoutUnsupported(f"a CRC-32 field at byte {field} straddles a metadata segment")
-            if field > position:
-                result.append((position, data[position - offset : field - offset]))
-            position = field + CRC_FIELD_BYTES
+        index = bisect.bisect_left(starts, offset)
+        if index and ranges[index - 1][0] + ranges[index - 1][1] > offset:
+            index -= 1  # a range that starts before this segment and reaches into it
+        while index < len(ranges) and ranges[index][0] < end:
+            start, nbytes = ranges[index]
+            if start < position or start + nbytes > end:
+                raise LayoutUnsupported(f"bytes {start} to {start + nbytes} straddle a metadata segment")
+            if start > position:
+                result.append((position, data[position - offset : start - offset]))
+            position = start + nbytes
             index += 1
         if position < end:
             result.append((position, data[position - offset :]))
     return tuple(result)
+
+
+#: Types of which no instance is a storage: most of the objects a checkpoint pickles (shapes, strides, numbers, keys).
+_NEVER_STORAGES = frozenset(
+    {int, float, bool, str, bytes, type(None), tuple, list, dict, collections.OrderedDict, torch.Size, torch.dtype}
+)
 
 
 def _recording_pickle_module(storages_by_key: dict[int, torch.UntypedStorage]) -> Any:
@@ -205,6 +311,8 @@ def _recording_pickle_module(storages_by_key: dict[int, torch.UntypedStorage]) -
             torch_persistent_id = cls.persistent_id
 
             def persistent_id(self: Any, obj: Any) -> Any:
+                if type(obj) in _NEVER_STORAGES:
+                    return None  # what torch's persistent_id answers for them, without its two calls and checks
                 result = torch_persistent_id(self, obj)
                 if isinstance(result, tuple) and result and result[0] == "storage":
                     storage = obj._untyped_storage if isinstance(obj, torch.storage.TypedStorage) else obj
@@ -252,18 +360,23 @@ class _LayoutSink:
     """A seekable write-only file that records written bytes and the holes torch seeks over."""
 
     def __init__(self) -> None:
-        self.segments: list[tuple[int, bytes]] = []
+        self._segments: list[tuple[int, bytearray]] = []
         self.holes: list[tuple[int, int]] = []
         self.position = 0
         self.size = 0
 
+    @property
+    def segments(self) -> list[tuple[int, bytes]]:
+        """The written bytes as ``(file_offset, bytes)``, contiguous writes coalesced (fewer, larger writes later)."""
+        return [(offset, bytes(data)) for offset, data in self._segments]
+
     def write(self, data: Any) -> int:
-        chunk = bytes(memoryview(data))
-        if self.segments and self.segments[-1][0] + len(self.segments[-1][1]) == self.position:
-            offset, previous = self.segments[-1]  # coalesce contiguous writes: fewer, larger write calls later
-            self.segments[-1] = (offset, previous + chunk)
+        chunk = memoryview(data).cast("B")
+        last = self._segments[-1] if self._segments else None
+        if last is not None and last[0] + len(last[1]) == self.position:
+            last[1].extend(chunk)  # in place: torch writes each header in several small pieces
         else:
-            self.segments.append((self.position, chunk))
+            self._segments.append((self.position, bytearray(chunk)))
         self.position += len(chunk)
         self.size = max(self.size, self.position)
         return len(chunk)

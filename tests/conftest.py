@@ -127,18 +127,21 @@ def slow_copies(monkeypatch: pytest.MonkeyPatch) -> None:
     Real copies of large models take longer than a step; this recreates that at precise points (the copier, and the
     writer taking a write-through chunk's source bytes), without touching the logic under test.
     """
-    original = copier_module.CpuCopier.copy
+    original = copier_module.CpuCopier.copy_pieces
     original_host_bytes = engine_module._host_bytes
 
-    def slow_copy(self: Any, dst: torch.Tensor, src: torch.Tensor, mark: Any) -> int | None:
-        time.sleep(0.002)
-        return original(self, dst, src, mark)  # the CRC computed on the way, as without the delay
+    def slow_copy(self: Any, block: torch.Tensor, pieces: Any, sources: Any, mark: Any) -> dict[int, Any]:
+        crcs = {}
+        for piece in pieces:  # each piece 2 ms later
+            time.sleep(0.002)
+            crcs.update(original(self, block, [piece], sources, mark))  # the CRCs computed on the way, as without
+        return crcs
 
     def slow_host_bytes(storage: torch.UntypedStorage, offset: int, nbytes: int) -> memoryview:
         time.sleep(0.002)
         return original_host_bytes(storage, offset, nbytes)
 
-    monkeypatch.setattr(copier_module.CpuCopier, "copy", slow_copy)
+    monkeypatch.setattr(copier_module.CpuCopier, "copy_pieces", slow_copy)
     monkeypatch.setattr(engine_module, "_host_bytes", slow_host_bytes)
 
 

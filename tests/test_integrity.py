@@ -217,8 +217,12 @@ def test_the_copier_crc_is_what_the_file_carries(tmp_path, monkeypatch) -> None:
     checkpoint = {**_checkpoint(), "big": torch.randn(300_000)}
     _save(str(tmp_path / "good.ckpt"), checkpoint, lazy=True)
     assert verify_file(str(tmp_path / "good.ckpt")).complete
-    real_copy = copier_module.CpuCopier.copy
-    monkeypatch.setattr(copier_module.CpuCopier, "copy", lambda self, d, s, m: real_copy(self, d, s, m) ^ 1)
+    real_copy = copier_module.CpuCopier.copy_pieces
+
+    def wrong_crcs(self: Any, *args: Any) -> dict[int, tuple[int, int]]:
+        return {offset: (nbytes, crc ^ 1) for offset, (nbytes, crc) in real_copy(self, *args).items()}
+
+    monkeypatch.setattr(copier_module.CpuCopier, "copy_pieces", wrong_crcs)
     _save(str(tmp_path / "bad.ckpt"), checkpoint, lazy=True)
     with pytest.raises(CheckpointCorruptError):
         verify_file(str(tmp_path / "bad.ckpt"))

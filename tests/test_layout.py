@@ -26,12 +26,14 @@ import pytest
 import torch
 from torch import nn
 
+import lightning_datastates.layout as layout_module
 from lightning_datastates import DataStatesIO
 from lightning_datastates.errors import CheckpointCaptureError
 from lightning_datastates.layout import (
     CheckpointLayout,
     LayoutUnsupported,
     StorageRecord,
+    VerifiedStructures,
     _check_layout,
     _match_records,
     plan_layout,
@@ -53,6 +55,11 @@ def _raw(storage: torch.UntypedStorage) -> bytes:
 
 def _assemble(obj: Any) -> tuple[bytes, CheckpointLayout, list[torch.UntypedStorage]]:
     layout, storages = plan_layout(obj)
+    return _assemble_layout(layout, storages), layout, storages
+
+
+def _assemble_layout(layout: CheckpointLayout, storages: list[torch.UntypedStorage]) -> bytes:
+    """The file the writer threads make of ``layout``."""
     buffer = bytearray(layout.total_bytes)
     for offset, data in layout.metadata:
         buffer[offset : offset + len(data)] = data
@@ -64,7 +71,7 @@ def _assemble(obj: Any) -> tuple[bytes, CheckpointLayout, list[torch.UntypedStor
         crc = struct.pack("<I", zlib.crc32(buffer[slot.data_offset : slot.data_offset + slot.nbytes]))
         for field in slot.crc_fields:
             buffer[field : field + 4] = crc
-    return bytes(buffer), layout, storages
+    return bytes(buffer)
 
 
 def _torch_save(obj: Any) -> bytes:
@@ -646,3 +653,76 @@ def test_match_records_rejects_storages_that_do_not_match_the_holes() -> None:
         _match_records(holes, [torch.randn(5).untyped_storage()])  # one storage missing
     with pytest.raises(LayoutUnsupported):
         _match_records(holes, [torch.randn(5).untyped_storage(), torch.randn(3).untyped_storage()])  # wrong size
+
+
+# ------------------------------------------------------------------------------------------------ verified structures
+def _training_checkpoint(step: int, extra: dict | None = None) -> dict:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+    return {"global_step": step, "state_dict": model.state_dict(), "optimizer": optimizer.state_dict(), **(extra or {})}
+
+
+def _counting_checks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    real = layout_module._check_layout
+    monkeypatch.setattr(layout_module, "_check_layout", lambda layout: calls.append(1) or real(layout))
+    return calls
+
+
+def test_a_plan_of_a_verified_structure_skips_the_check_and_equals_a_full_plan(monkeypatch) -> None:
+    verified, checks = VerifiedStructures(), _counting_checks(monkeypatch)
+    first, _ = plan_layout(_training_checkpoint(1), verified=verified)
+    # Another step: data.pkl holds a new value of the same pickled length, the serialization id is new.
+    second, storages = plan_layout(_training_checkpoint(2), verified=verified)
+    assert (verified.hits, len(checks)) == (1, 1)
+    full, _ = plan_layout(_training_checkpoint(2))
+    assert second.metadata != first.metadata, "the new data.pkl must be in the plan"
+    assert (second.records, second.checksums, second.total_bytes) == (full.records, full.checksums, full.total_bytes)
+    assert [(o, len(d)) for o, d in second.metadata] == [(o, len(d)) for o, d in full.metadata]
+    assert _mask_volatile(_assemble_layout(second, storages)) == _mask_volatile(_torch_save(_training_checkpoint(2)))
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        pytest.param({"global_step": 100_000}, id="longer data.pkl"),
+        pytest.param({"extra": torch.randn(3)}, id="one storage more"),
+        pytest.param({"extra": torch.zeros(0)}, id="an empty storage more"),
+    ],
+)
+def test_a_new_structure_is_checked_and_planned_in_full(monkeypatch, changed: dict) -> None:
+    verified, checks = VerifiedStructures(), _counting_checks(monkeypatch)
+    plan_layout(_training_checkpoint(1), verified=verified)
+    obj = {**_training_checkpoint(1), **changed}
+    planned, storages = plan_layout(obj, verified=verified)
+    assert (verified.hits, len(checks)) == (0, 2)
+    assert _mask_volatile(_assemble_layout(planned, storages)) == _mask_volatile(_torch_save(obj))
+    _assert_same(obj, torch.load(io.BytesIO(_assemble_layout(planned, storages)), weights_only=True))
+
+
+def test_structures_a_run_alternates_between_are_all_remembered() -> None:
+    verified = VerifiedStructures(capacity=2)
+    a, b = _training_checkpoint(1), _training_checkpoint(1, {"best": torch.tensor(0.5)})
+    for obj in (a, b, a, b, a):
+        plan_layout(obj, verified=verified)
+    assert verified.hits == 3
+    plan_layout(_training_checkpoint(1, {"other": torch.randn(2)}), verified=verified)  # pushes the oldest (b) out
+    plan_layout(b, verified=verified)
+    assert verified.hits == 3
+
+
+def test_a_structure_differing_only_in_its_bytes_is_not_taken_for_a_verified_one() -> None:
+    verified, obj = VerifiedStructures(), _training_checkpoint(1)
+    layout, _ = plan_layout(obj, verified=verified)
+    sink = layout_module._LayoutSink()
+    with torch.serialization.skip_data():
+        torch.save(obj, sink)  # type: ignore[arg-type]
+    segments = list(sink.segments)
+    assert verified.find(tuple(segments), sink.holes, sink.size) == layout.checksums
+    offset, data = segments[-1]  # the central directory: change a byte of a record's name, keep every length
+    at = data.index(b"archive/data/")
+    segments[-1] = (offset, data[:at] + b"X" + data[at + 1 :])
+    assert verified.find(tuple(segments), sink.holes, sink.size) is None

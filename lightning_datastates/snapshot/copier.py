@@ -1,29 +1,39 @@
-"""Copiers move bytes of a source storage into a block of the host arena.
+"""Copiers move a chunk's pieces from their source storages into the chunk's block of the host arena.
 
 Call order, per snapshot:
   1) ``mark()`` on the training thread, at capture: remembers "everything queued on the device so far";
-  2) ``copy(dst, src, mark)`` on the copier thread, once per piece: returns when ``dst`` holds the bytes, with their
-     CRC-32 where computing it on the way was free.
+  2) ``copy_pieces(block, pieces, sources, mark)`` on the copier thread, once per chunk and source device: returns
+     when the block holds the pieces' bytes, with the CRC-32 of each piece where computing it on the way was free.
 
-``CpuCopier`` copies window by window with ``memmove`` (the GIL is released meanwhile, so training goes on) and
-checksums each window right after copying it, while it is still in the CPU cache: the writer threads then need not
-read the bytes again for the CRC (one pass over memory fewer per checkpoint).
-``CudaCopier`` issues ``non_blocking`` copies on its own stream, ordered after the mark, into pinned memory,
-so the DMA engine overlaps the next forward and backward; only the copier thread waits for them.
+``CpuCopier`` copies host memory by address, with no tensor made per piece (a checkpoint has hundreds of small
+tensors, and the save call waits for them). Large pieces are copied window by window with ``memmove`` (the GIL is
+released meanwhile, so training goes on) and each window is checksummed right after, while it is still in the CPU
+cache: the writer threads then need not read the bytes again for the CRC (one pass over memory fewer per
+checkpoint). Small pieces are copied with the GIL held: releasing and retaking it would cost more than the copy.
+``CudaCopier`` issues ``non_blocking`` copies of all the pieces on its own stream, ordered after the mark, into pinned
+memory, so the DMA engine overlaps the next forward and backward; only the copier thread waits for them, once per
+chunk.
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
 
 from lightning_datastates.checksums import crc32
 from lightning_datastates.snapshot.arena import address_view
+from lightning_datastates.snapshot.chunks import Piece
 
 #: Bytes copied, then checksummed, in one go: small enough to stay in the CPU cache in between.
 COPY_WINDOW_BYTES = 512 * 1024
+#: Pieces up to this size are copied without releasing the GIL (a few microseconds).
+GIL_HELD_COPY_BYTES = 64 * 1024
+
+#: Block offset of a piece in its arena block -> (its size, the CRC-32 the copier computed while copying it).
+PieceCrcs = dict[int, tuple[int, int]]
 
 
 class Copier(Protocol):
@@ -32,9 +42,11 @@ class Copier(Protocol):
     def mark(self) -> Any:
         """Training thread, at capture: a token that orders later copies after work already queued."""
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, mark: Any) -> int | None:
-        """Copier thread: copy ``src`` into ``dst`` (equal-sized contiguous ``uint8`` tensors) and return when done;
-        the CRC-32 of the bytes if the copier computed it on the way, else None."""
+    def copy_pieces(
+        self, block: torch.Tensor, pieces: Sequence[Piece], sources: Sequence[torch.UntypedStorage], mark: Any
+    ) -> PieceCrcs:
+        """Copier thread: copy each piece of ``sources[piece.key]`` into ``block`` (a contiguous ``uint8`` host
+        tensor) at its ``block_offset``, and return when done; the CRC-32s computed on the way, by block offset."""
 
 
 class CpuCopier:
@@ -44,19 +56,34 @@ class CpuCopier:
         """Nothing to order: CPU work of the training thread is already done when the save is called."""
         return None
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, mark: Any) -> int | None:
-        """Copy ``src`` into ``dst``; return the CRC-32 of the bytes (None from a device other than the CPU)."""
-        if src.device.type != "cpu":  # a device without streams (MPS, XPU, ...): no host address to copy from
-            dst.copy_(src)
-            return None
-        nbytes = src.numel()
-        source, target = src.data_ptr(), dst.data_ptr()
-        crc = 0
-        for start in range(0, nbytes, COPY_WINDOW_BYTES):
-            size = min(COPY_WINDOW_BYTES, nbytes - start)
-            ctypes.memmove(target + start, source + start, size)
-            crc = crc32(address_view(target + start, size), crc)
-        return crc
+    def copy_pieces(
+        self, block: torch.Tensor, pieces: Sequence[Piece], sources: Sequence[torch.UntypedStorage], mark: Any
+    ) -> PieceCrcs:
+        """Copy the pieces into ``block``; the CRC-32 of every piece copied from host memory."""
+        crcs: PieceCrcs = {}
+        base = block.data_ptr()
+        for piece in pieces:
+            storage = sources[piece.key]
+            if storage.device.type != "cpu":  # a device without streams (MPS, XPU, ...): no host address to copy from
+                block[piece.block_offset : piece.block_offset + piece.nbytes].copy_(_byte_range(storage, piece))
+                continue
+            source, target = storage.data_ptr() + piece.source_offset, base + piece.block_offset
+            crcs[piece.block_offset] = (piece.nbytes, copy_host_bytes(target, source, piece.nbytes))
+        return crcs
+
+
+def copy_host_bytes(target: int, source: int, nbytes: int) -> int:
+    """Copy ``nbytes`` bytes of host memory from address ``source`` to ``target``; return their CRC-32."""
+    if nbytes <= GIL_HELD_COPY_BYTES:
+        destination = address_view(target, nbytes)
+        destination[:] = address_view(source, nbytes)
+        return crc32(destination)
+    crc = 0
+    for start in range(0, nbytes, COPY_WINDOW_BYTES):
+        size = min(COPY_WINDOW_BYTES, nbytes - start)
+        ctypes.memmove(target + start, source + start, size)
+        crc = crc32(address_view(target + start, size), crc)
+    return crc
 
 
 class CudaCopier:
@@ -73,20 +100,24 @@ class CudaCopier:
         event.record(torch.cuda.current_stream(self.device))
         return event
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, mark: Any) -> int | None:
-        """Issue the copy on the copy stream and wait for it here, on the copier thread; None: the bytes arrive by
-        DMA, not through the CPU cache, so the writer threads checksum them."""
+    def copy_pieces(
+        self, block: torch.Tensor, pieces: Sequence[Piece], sources: Sequence[torch.UntypedStorage], mark: Any
+    ) -> PieceCrcs:
+        """Issue the pieces' copies on the copy stream and wait for them here, on the copier thread; no CRC-32s: the
+        bytes arrive by DMA, not through the CPU cache, so the writer threads checksum them."""
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             # Order after the capture point: the state must be read as it was when save_checkpoint ran.
             self.stream.wait_event(mark)
-            # Asynchronous DMA into pinned host memory: overlaps whatever the compute stream runs now.
-            dst.copy_(src, non_blocking=True)
+            for piece in pieces:
+                # Asynchronous DMA into pinned host memory: overlaps whatever the compute stream runs now.
+                target = block[piece.block_offset : piece.block_offset + piece.nbytes]
+                target.copy_(_byte_range(sources[piece.key], piece), non_blocking=True)
             done = torch.cuda.Event()
-            # Marks the end of this chunk's copy on the copy stream.
+            # Marks the end of this chunk's copies on the copy stream.
             done.record(self.stream)
         # Block only this thread: the chunk may be written to storage once the DMA finished.
         done.synchronize()
-        return None
+        return {}
 
 
 class CopierSet:
@@ -106,3 +137,25 @@ class CopierSet:
     def marks(self, devices: set[torch.device]) -> dict[torch.device, Any]:
         """Training thread: one mark per device that holds sources of the snapshot being captured."""
         return {device: self.for_device(device).mark() for device in devices}
+
+    def copy_chunk(
+        self,
+        block: torch.Tensor,
+        pieces: Sequence[Piece],
+        sources: Sequence[torch.UntypedStorage],
+        marks: dict[torch.device, Any],
+    ) -> PieceCrcs:
+        """Copy a chunk's pieces into ``block``, each source device's by its own copier (one call per device)."""
+        by_device: dict[torch.device, list[Piece]] = {}
+        for piece in pieces:
+            by_device.setdefault(sources[piece.key].device, []).append(piece)
+        crcs: PieceCrcs = {}
+        for device, device_pieces in by_device.items():
+            crcs.update(self.for_device(device).copy_pieces(block, device_pieces, sources, marks.get(device)))
+        return crcs
+
+
+def _byte_range(storage: torch.UntypedStorage, piece: Piece) -> torch.Tensor:
+    """The piece's bytes of ``storage`` as a flat ``uint8`` tensor on its device (a view: no copy)."""
+    view = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+    return view[piece.source_offset : piece.source_offset + piece.nbytes]

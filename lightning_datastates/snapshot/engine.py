@@ -34,13 +34,14 @@ from lightning_datastates.errors import CheckpointCaptureError
 from lightning_datastates.layout import (
     CheckpointLayout,
     StorageRecord,
+    VerifiedStructures,
     plan_layout,
     plan_serialized_layout,
     storage_alignment,
 )
 from lightning_datastates.snapshot.arena import BLOCK_ALIGNMENT_BYTES, HostArena, address_view
 from lightning_datastates.snapshot.chunks import Chunk, plan_chunks
-from lightning_datastates.snapshot.copier import CopierSet
+from lightning_datastates.snapshot.copier import CopierSet, PieceCrcs
 from lightning_datastates.snapshot.direct import WRITE_THROUGH_CHUNK_BYTES, WriteThrough
 from lightning_datastates.snapshot.job import JobState, SnapshotJob, SnapshotStats
 from lightning_datastates.snapshot.resident import ResidentCache
@@ -64,8 +65,6 @@ _PENDING_PER_WRITER = 2
 THREAD_NICE_ENV = "LIGHTNING_DATASTATES_THREAD_NICE"
 
 LazyPredicate = Callable[[torch.UntypedStorage], bool]
-#: Block offset of a piece in its arena block -> (its size, the CRC-32 the copier computed while copying it).
-PieceCrcs = dict[int, tuple[int, int]]
 
 
 class SnapshotEngine:
@@ -92,6 +91,8 @@ class SnapshotEngine:
         self._threads: list[threading.Thread] = []
         self._closing = False
         self._warned_fallback = False
+        # Saves of one training run repeat a few archive structures: planned again, they skip the self-check.
+        self._verified_structures = VerifiedStructures()
         self._skipped_since_last_capture = False  # removals right after a skipped save keep their file
         self._sharing = SharedCopies()  # lazy copies open to later checkpoints of the same state
         self._eager_done: deque[SnapshotJob] = deque()  # copier thread: eager part copied, lazy part waiting
@@ -361,7 +362,7 @@ class SnapshotEngine:
     def _plan(self, checkpoint: dict[str, Any]) -> tuple[CheckpointLayout, list[torch.UntypedStorage]]:
         """The out-of-order layout; failing that, the checkpoint serialized by a plain ``torch.save`` now."""
         try:
-            return plan_layout(checkpoint, self.config.storage_alignment)
+            return plan_layout(checkpoint, self.config.storage_alignment, self._verified_structures)
         except Exception as reason:  # noqa: BLE001 - LayoutUnsupported, skip_data refused, or an object that cannot be pickled
             buffer = io.BytesIO()
             try:
@@ -566,16 +567,9 @@ class SnapshotEngine:
             return  # failed or superseded, and no other checkpoint follows it: the bytes would never be committed
         assert self.arena is not None and job.sources is not None
         block = self.arena.allocate(chunk.block_bytes)  # back-pressure: waits for writers to free space
-        crcs: PieceCrcs = {}  # where the copier computed them
         try:
-            destination = self.arena.tensor(block)
-            for piece in chunk.pieces:
-                storage = job.sources[piece.key]
-                source = _byte_view(storage)[piece.source_offset : piece.source_offset + piece.nbytes]
-                target = destination[piece.block_offset : piece.block_offset + piece.nbytes]
-                crc = self._copiers.for_device(storage.device).copy(target, source, job.marks.get(storage.device))
-                if crc is not None:
-                    crcs[piece.block_offset] = (piece.nbytes, crc)
+            # The CRC-32s where the copier computed them on the way (host sources).
+            crcs = self._copiers.copy_chunk(self.arena.tensor(block), chunk.pieces, job.sources, job.marks)
         except BaseException:
             self.arena.free(block)
             raise
@@ -817,8 +811,3 @@ def _all_in_host_memory(chunk: Chunk, storages: list[torch.UntypedStorage]) -> b
 def _host_bytes(storage: torch.UntypedStorage, offset: int, nbytes: int) -> memoryview:
     """A memoryview of ``nbytes`` bytes of the host ``storage`` from ``offset`` (no copy; valid while it lives)."""
     return address_view(storage.data_ptr() + offset, nbytes)
-
-
-def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
-    """A flat ``uint8`` tensor over all of ``storage`` (no copy)."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
