@@ -23,7 +23,9 @@ Columns of the report (one row per method; each figure is the median over ``--ro
 
 - ``train s``: seconds from the start of ``fit`` until the last training step ended, including that step's save
   call (a synchronous save is in it, a background flush still running is not). ``overhead`` compares it with
-  ``none`` of the same round (``fit overhead`` likewise ``fit s``), median over rounds.
+  ``none`` of the same round (``fit overhead`` likewise ``fit s``), median over rounds. Every other round runs
+  the methods in reverse order, so that a drift of a shared machine's speed does not favour the methods that run
+  first.
 - ``quiet overhead``: measured inside the run itself, robust to other load on a shared machine: the training
   loop's time (first step start to last step end) over (number of steps x the median duration of the steps that
   overlap no checkpoint activity: save call, copy or flush), minus 1. ``none`` shows the natural step-time spread.
@@ -759,6 +761,15 @@ def _spawn(args: argparse.Namespace, method: str, directory: str, result_path: s
     return run
 
 
+def method_order(methods: list[str], round_index: int) -> list[str]:
+    """The order in which round ``round_index`` (from 0) runs ``methods``: as given, reversed in every other round.
+
+    The speed of a shared machine drifts over minutes; in a fixed order the methods that run late in each round
+    would pay for a slowdown more often than those that run early, and paired overheads would be biased.
+    """
+    return list(methods) if round_index % 2 == 0 else list(reversed(methods))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run every method ``--rounds`` times, report, plot, apply the gate; the exit status."""
     args = parse_args(argv)
@@ -780,7 +791,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for index in range(args.rounds):
             runs: dict[str, dict[str, Any]] = {}
-            for method in args.methods:
+            for method in method_order(args.methods, index):
                 directory = os.path.join(base, f"r{index}-{method}")
                 runs[method] = _spawn(args, method, directory, os.path.join(scratch, f"{index}-{method}.json"))
                 params = runs[method]["params"]
@@ -798,6 +809,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"  round {index + 1} {method:<10} train {runs[method]['train_s']:6.2f} s, "
                     f"blocked p50 {(statistics.median(blocked) * 1e3 if blocked else 0):8.1f} ms"
                 )
+            runs = {m: runs[m] for m in args.methods}  # reported in the order asked for
             rounds.append({m: summarize_run(r, raw[index] if len(raw) > index else None) for m, r in runs.items()})
             last_runs = runs
     finally:

@@ -145,3 +145,22 @@ def test_peak_rss_is_reset_after_the_warm_up() -> None:
     del big
     assert benchmark.reset_peak_rss()
     assert benchmark.peak_rss_bytes() < peak_with_big - 200 * 2**20
+
+
+def test_every_other_round_runs_the_methods_in_reverse_order(tmp_path: Any, monkeypatch: Any) -> None:
+    """A drifting machine must not favour the methods that run first: rounds alternate the order, and the report
+    keeps the order asked for."""
+    assert benchmark.method_order(["none", "torch", "datastates"], 0) == ["none", "torch", "datastates"]
+    assert benchmark.method_order(["none", "torch", "datastates"], 1) == ["datastates", "torch", "none"]
+    ran: list[str] = []
+
+    def fake_run(args: Any, method: str, directory: str, result_path: str) -> dict[str, Any]:
+        ran.append(method)  # stands in for the training process: only the order is under test
+        return {"params": 1, "checkpoints": [], "train_s": 1.0, "fit_s": 1.0, "peak_rss_bytes": 1, "peak_gpu_bytes": 0}
+
+    monkeypatch.setattr(benchmark, "_spawn", fake_run)
+    out = tmp_path / "out"
+    assert benchmark.main(["--methods", "none,datastates", "--rounds", "3", "--out", str(out), "--no-plot"]) == 0
+    assert ran == ["none", "datastates", "datastates", "none", "none", "datastates"]
+    report = json.loads((out / "benchmark.json").read_text())
+    assert [list(r) for r in report["rounds"]] == [["none", "datastates"]] * 3

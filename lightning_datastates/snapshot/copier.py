@@ -74,6 +74,8 @@ class CpuCopier:
 
 def copy_host_bytes(target: int, source: int, nbytes: int) -> int:
     """Copy ``nbytes`` bytes of host memory from address ``source`` to ``target``; return their CRC-32."""
+    if nbytes == 0:
+        return 0  # the CRC-32 of no bytes (and an empty view is read-only)
     if nbytes <= GIL_HELD_COPY_BYTES:
         destination = address_view(target, nbytes)
         destination[:] = address_view(source, nbytes)
