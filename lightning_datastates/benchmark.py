@@ -765,7 +765,8 @@ def method_order(methods: list[str], round_index: int) -> list[str]:
     """The order in which round ``round_index`` (from 0) runs ``methods``: as given, reversed in every other round.
 
     The speed of a shared machine drifts over minutes; in a fixed order the methods that run late in each round
-    would pay for a slowdown more often than those that run early, and paired overheads would be biased.
+    would pay for a slowdown more often than those that run early, and paired overheads would be biased. An even
+    number of rounds balances the two orders exactly.
     """
     return list(methods) if round_index % 2 == 0 else list(reversed(methods))
 

@@ -169,9 +169,10 @@ class VerifiedStructures:
 
     A structure is the file size, the holes, where each metadata segment lies, and every metadata byte except the
     payloads of records that are not storages (``data.pkl``, ``version``, the serialization id, ...) and their CRC-32
-    fields. torch's zip reader finds each record through headers and the central directory alone, all of which are
-    in those bytes, so a plan whose structure equals a verified one places every record where that one did: its
-    check would pass, and its checksum slots are the same. Thread-safe.
+    fields. torch's zip reader finds each record through the headers and the central directory, all of which are in
+    those bytes (it also reads the ``version`` records, whose content says nothing about where records lie), so a
+    plan whose structure equals a verified one places every record where that one did: its check would pass, and
+    its checksum slots are the same. Thread-safe.
     """
 
     def __init__(self, capacity: int = 4) -> None:
@@ -269,10 +270,11 @@ def _cut(segments: Iterable[tuple[int, bytes]], ranges: list[tuple[int, int]]) -
     """``segments`` with the ``(offset, nbytes)`` ranges cut out; each range lies inside one segment.
 
     Raises:
-        LayoutUnsupported: a range straddles a segment's end.
+        LayoutUnsupported: a range straddles a segment's end, overlaps another, or lies outside every segment.
     """
     ranges = sorted(r for r in ranges if r[1])
     starts = [start for start, _ in ranges]
+    cut = 0
     result: list[tuple[int, bytes]] = []
     for offset, data in segments:
         position, end = offset, offset + len(data)
@@ -287,8 +289,11 @@ def _cut(segments: Iterable[tuple[int, bytes]], ranges: list[tuple[int, int]]) -
                 result.append((position, data[position - offset : start - offset]))
             position = start + nbytes
             index += 1
+            cut += 1
         if position < end:
             result.append((position, data[position - offset :]))
+    if cut != len(ranges):
+        raise LayoutUnsupported(f"{len(ranges) - cut} of the byte ranges to cut lie outside the metadata segments")
     return tuple(result)
 
 
@@ -367,7 +372,8 @@ class _LayoutSink:
 
     @property
     def segments(self) -> list[tuple[int, bytes]]:
-        """The written bytes as ``(file_offset, bytes)``, contiguous writes coalesced (fewer, larger writes later)."""
+        """The written bytes as ``(file_offset, bytes)``, contiguous writes coalesced (fewer, larger writes later);
+        a copy each time: read it once, when torch is done."""
         return [(offset, bytes(data)) for offset, data in self._segments]
 
     def write(self, data: Any) -> int:

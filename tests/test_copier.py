@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import zlib
+from typing import Any
 
 import pytest
 import torch
@@ -62,11 +63,28 @@ def test_cpu_copier_copies_every_piece_of_a_chunk_with_its_crc() -> None:
             assert crcs[piece.block_offset] == (piece.nbytes, zlib.crc32(expected))
 
 
-def test_copier_set_copies_a_chunk_through_each_device_copier() -> None:
-    storages = [_random_storage(5000, 1), _random_storage(100, 2)]
-    pieces = (Piece(0, 1000, 3000, 0, 0), Piece(1, 0, 100, 4096, 0))
+class _RecordingCopier:
+    """Stands in for another device's copier: records what it is asked to copy, with which mark."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[Piece], object]] = []
+
+    def mark(self) -> object:
+        return "mark"
+
+    def copy_pieces(self, block: torch.Tensor, pieces: Any, sources: Any, mark: object) -> dict[int, Any]:
+        self.calls.append((list(pieces), mark))
+        return {}
+
+
+def test_copier_set_hands_each_device_its_own_pieces_and_mark() -> None:
+    storages = [_random_storage(5000, 1), torch.empty(64, device="meta").untyped_storage(), _random_storage(100, 2)]
+    pieces = (Piece(0, 1000, 3000, 0, 0), Piece(1, 0, 256, 3008, 0), Piece(2, 0, 100, 4096, 0))
+    copiers, other = CopierSet(), _RecordingCopier()
+    copiers._copiers[torch.device("meta")] = other  # type: ignore[assignment]
     block = torch.zeros(8192, dtype=torch.uint8)
-    crcs = CopierSet().copy_chunk(block, pieces, storages, {})
+    crcs = copiers.copy_chunk(block, pieces, storages, {torch.device("meta"): "meta mark", torch.device("cpu"): None})
+    assert other.calls == [([pieces[1]], "meta mark")]
     assert block[:3000].numpy().tobytes() == _raw(storages[0], 1000, 3000)
-    assert block[4096:4196].numpy().tobytes() == _raw(storages[1])
-    assert crcs == {0: (3000, zlib.crc32(_raw(storages[0], 1000, 3000))), 4096: (100, zlib.crc32(_raw(storages[1])))}
+    assert block[4096:4196].numpy().tobytes() == _raw(storages[2])
+    assert crcs == {0: (3000, zlib.crc32(_raw(storages[0], 1000, 3000))), 4096: (100, zlib.crc32(_raw(storages[2])))}

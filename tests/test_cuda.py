@@ -58,6 +58,31 @@ def test_copy_is_ordered_after_queued_kernels_and_before_mutation(tmp_path):
     plugin.teardown()
 
 
+def test_many_small_tensors_in_one_chunk_are_all_copied_after_queued_kernels(tmp_path):
+    """The copier issues a chunk's copies together and synchronizes once: every piece must still come after the
+    kernels queued before the save, and before the mutation after the barrier."""
+    plugin = DataStatesIO(host_cache="1GiB", eager_copy_size=1)
+    plugin._owner = _AllLazy()  # type: ignore[assignment]
+    tensors = [torch.zeros(1000 + 37 * i, device="cuda") for i in range(300)]  # packed into one chunk
+    big = torch.zeros(32 * 2**20, device="cuda")
+    for tensor in tensors:
+        tensor.fill_(1.0)
+    for _ in range(20):
+        big.mul_(1.0001)  # slow work queued ahead of the last writes of the state
+    for index, tensor in enumerate(tensors):
+        tensor.add_(float(index))  # still in flight at the save call
+    path = str(tmp_path / "small.ckpt")
+    plugin.save_checkpoint({f"t{i}": t for i, t in enumerate(tensors)}, path)
+    plugin.barrier()
+    for tensor in tensors:
+        tensor.add_(1000.0)  # the "optimizer step"
+    plugin.drain()
+    loaded = torch.load(path, weights_only=True, map_location="cpu")
+    for index, tensor in enumerate(tensors):
+        assert torch.equal(loaded[f"t{index}"], torch.full((tensor.numel(),), 1.0 + index)), index
+    plugin.teardown()
+
+
 def test_trainer_on_gpu_every_file_equals_state_at_save(tmp_path):
     torch.manual_seed(0)
     plugin = RecordingDataStatesIO(chunk_size="4MiB")

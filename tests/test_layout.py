@@ -233,6 +233,15 @@ def _model_and_adamw() -> dict:
     }
 
 
+def _plain_types() -> dict:
+    """One instance of each type the planner pickles without asking torch's ``persistent_id`` (``_NEVER_STORAGES``):
+    if torch ever gave one of them a persistent id, the planned file would differ from ``torch.save``'s."""
+    values = [3, 2.5, True, "s", b"b", None, (1, 2), [3], {"k": 1}, collections.OrderedDict(a=1)]
+    values += [torch.Size([2, 3]), torch.float16]
+    assert {type(v) for v in values} == layout_module._NEVER_STORAGES
+    return {"values": values, "w": torch.randn(3)}
+
+
 def _nested() -> dict:
     g = torch.Generator().manual_seed(1)
     return {
@@ -370,6 +379,7 @@ CASES: dict[str, tuple[Any, bool]] = {
     "conj_neg_bits": (_conj_neg, True),
     "only_tensor": (lambda: torch.randn(3, 3), True),
     "no_tensors": (lambda: {"epoch": 3, "name": "x", "values": [1.0, 2.0]}, True),
+    "plain_types": (_plain_types, False),
 }
 
 
@@ -726,3 +736,12 @@ def test_a_structure_differing_only_in_its_bytes_is_not_taken_for_a_verified_one
     at = data.index(b"archive/data/")
     segments[-1] = (offset, data[:at] + b"X" + data[at + 1 :])
     assert verified.find(tuple(segments), sink.holes, sink.size) is None
+
+
+def test_cut_refuses_ranges_outside_the_segments_or_across_them() -> None:
+    segments = ((0, b"abcdef"), (100, b"uvwxyz"))
+    assert layout_module._cut(segments, [(2, 2), (101, 1)]) == ((0, b"ab"), (4, b"ef"), (100, b"u"), (102, b"wxyz"))
+    with pytest.raises(LayoutUnsupported, match="outside"):
+        layout_module._cut(segments, [(50, 4)])  # in the hole between the segments
+    with pytest.raises(LayoutUnsupported, match="straddle"):
+        layout_module._cut(segments, [(4, 4)])  # past the first segment's end

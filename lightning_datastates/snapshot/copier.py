@@ -9,7 +9,9 @@ Call order, per snapshot:
 tensors, and the save call waits for them). Large pieces are copied window by window with ``memmove`` (the GIL is
 released meanwhile, so training goes on) and each window is checksummed right after, while it is still in the CPU
 cache: the writer threads then need not read the bytes again for the CRC (one pass over memory fewer per
-checkpoint). Small pieces are copied with the GIL held: releasing and retaking it would cost more than the copy.
+checkpoint). Small pieces are copied with the GIL held: releasing and retaking it would cost more than the copy (a
+matter of cost only: the sources stay alive and unchanged because the job holds them and the barrier waits for the
+copy, as for every copy).
 ``CudaCopier`` issues ``non_blocking`` copies of all the pieces on its own stream, ordered after the mark, into pinned
 memory, so the DMA engine overlaps the next forward and backward; only the copier thread waits for them, once per
 chunk.
@@ -110,10 +112,15 @@ class CudaCopier:
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             # Order after the capture point: the state must be read as it was when save_checkpoint ran.
             self.stream.wait_event(mark)
-            for piece in pieces:
-                # Asynchronous DMA into pinned host memory: overlaps whatever the compute stream runs now.
-                target = block[piece.block_offset : piece.block_offset + piece.nbytes]
-                target.copy_(_byte_range(sources[piece.key], piece), non_blocking=True)
+            try:
+                for piece in pieces:
+                    # Asynchronous DMA into pinned host memory: overlaps whatever the compute stream runs now.
+                    target = block[piece.block_offset : piece.block_offset + piece.nbytes]
+                    target.copy_(_byte_range(sources[piece.key], piece), non_blocking=True)
+            except BaseException:
+                # The caller frees the block on failure: the copies already issued must not write into it later.
+                self.stream.synchronize()
+                raise
             done = torch.cuda.Event()
             # Marks the end of this chunk's copies on the copy stream.
             done.record(self.stream)
