@@ -89,6 +89,11 @@ class RecordingDataStatesIO(DataStatesIO):
         super().save_checkpoint(checkpoint, path, storage_options)
 
 
+def storage_bytes(storage: torch.UntypedStorage) -> bytes:
+    """All bytes of a host ``storage``, as the copier and the writers see them."""
+    return torch.empty(0, dtype=torch.uint8).set_(storage).numpy().tobytes()
+
+
 def assert_bit_equal(actual: Any, expected: Any, where: str = "checkpoint") -> None:
     """Recursively compare containers and tensors; tensors must match in dtype, shape and every byte."""
     if isinstance(expected, torch.Tensor):

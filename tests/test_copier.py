@@ -22,6 +22,7 @@ from lightning_datastates.snapshot.copier import (
     CpuCopier,
     copy_host_bytes,
 )
+from tests.conftest import storage_bytes
 
 SIZES = [0, 1, 63, 4096, GIL_HELD_COPY_BYTES, GIL_HELD_COPY_BYTES + 1, COPY_WINDOW_BYTES, 3 * COPY_WINDOW_BYTES + 77]
 
@@ -32,8 +33,7 @@ def _random_storage(nbytes: int, seed: int) -> torch.UntypedStorage:
 
 
 def _raw(storage: torch.UntypedStorage, start: int = 0, nbytes: int | None = None) -> bytes:
-    data = torch.empty(0, dtype=torch.uint8).set_(storage).numpy().tobytes()
-    return data[start : None if nbytes is None else start + nbytes]
+    return storage_bytes(storage)[start : None if nbytes is None else start + nbytes]
 
 
 @pytest.mark.parametrize("nbytes", SIZES)

@@ -33,7 +33,15 @@ from lightning_datastates.integrity import verify_buffer, verify_file
 from lightning_datastates.layout import plan_layout
 from lightning_datastates.storage.base import WriteSession
 from lightning_datastates.streams import BufferReader
-from tests.conftest import BNModel, assert_bit_equal, every_step_checkpoint, in_background, make_loader, make_trainer
+from tests.conftest import (
+    BNModel,
+    assert_bit_equal,
+    every_step_checkpoint,
+    in_background,
+    make_loader,
+    make_trainer,
+    storage_bytes,
+)
 from tests.s3_server import require_s3, s3_endpoint_fixture, s3_fixture  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
@@ -140,7 +148,7 @@ def _session_and_pieces(checkpoint: Any) -> tuple[ChecksummingSession, MemorySes
     inner = MemorySession(layout.total_bytes)
     pieces = list(layout.metadata)
     for record in layout.records:
-        raw = bytes(torch.empty(0, dtype=torch.uint8).set_(storages[record.key]).numpy())
+        raw = storage_bytes(storages[record.key])
         for start in range(0, record.nbytes, 1000):  # 1000-byte pieces: records split at odd places
             pieces.append((record.offset + start, raw[start : start + 1000]))
     return ChecksummingSession(inner, layout.checksums), inner, pieces
@@ -179,7 +187,7 @@ def test_writes_are_windowed_on_file_boundaries_for_the_page_cache_and_whole_for
     for offset, data in layout.metadata:
         session.write_range(offset, memoryview(data))
     (record,) = [r for r in layout.records if r.nbytes]
-    raw = bytes(torch.empty(0, dtype=torch.uint8).set_(storages[record.key]).numpy())
+    raw = storage_bytes(storages[record.key])
     calls.clear()
     session.write_range(record.offset, memoryview(raw))
     data_calls = [c for c in calls if c[1] != 4]  # without the CRC-32 fields written at the end

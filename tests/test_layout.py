@@ -38,6 +38,7 @@ from lightning_datastates.layout import (
     _match_records,
     plan_layout,
 )
+from tests.conftest import storage_bytes
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:TypedStorage is deprecated"),
@@ -48,11 +49,6 @@ pytestmark = [
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
-def _raw(storage: torch.UntypedStorage) -> bytes:
-    """All bytes of ``storage`` (as the copier sees them)."""
-    return torch.empty(0, dtype=torch.uint8).set_(storage).numpy().tobytes()
-
-
 def _assemble(obj: Any) -> tuple[bytes, CheckpointLayout, list[torch.UntypedStorage]]:
     layout, storages = plan_layout(obj)
     return _assemble_layout(layout, storages), layout, storages
@@ -64,7 +60,7 @@ def _assemble_layout(layout: CheckpointLayout, storages: list[torch.UntypedStora
     for offset, data in layout.metadata:
         buffer[offset : offset + len(data)] = data
     for record in layout.records:
-        data = _raw(storages[record.key])
+        data = storage_bytes(storages[record.key])
         assert len(data) == record.nbytes
         buffer[record.offset : record.offset + record.nbytes] = data
     for slot in layout.checksums:  # as the writer's ChecksummingSession does
@@ -130,11 +126,13 @@ def _assert_same(original: Any, loaded: Any, where: str = "checkpoint") -> None:
         if original.device.type == "meta":
             return
         assert torch.equal(_tensor_bytes(loaded), _tensor_bytes(original)), f"{where}: tensor bytes differ"
-        assert _raw(loaded.untyped_storage()) == _raw(original.untyped_storage()), f"{where}: storage bytes differ"
+        assert storage_bytes(loaded.untyped_storage()) == storage_bytes(original.untyped_storage()), (
+            f"{where}: storage bytes differ"
+        )
     elif isinstance(original, (torch.UntypedStorage, torch.storage.TypedStorage)):
         assert isinstance(loaded, (torch.UntypedStorage, torch.storage.TypedStorage)), where
         untyped = lambda s: s if isinstance(s, torch.UntypedStorage) else s._untyped_storage
-        assert _raw(untyped(loaded)) == _raw(untyped(original)), f"{where}: storage bytes differ"
+        assert storage_bytes(untyped(loaded)) == storage_bytes(untyped(original)), f"{where}: storage bytes differ"
     elif dataclasses.is_dataclass(original):
         assert type(loaded) is type(original), where
         for field in dataclasses.fields(original):
@@ -416,7 +414,7 @@ def test_plan_layout_numbers_storages_like_torch_save(case: str) -> None:
     assert len(data_records) == len(storages)
     assert len({s._cdata for s in storages}) == len(storages), "a storage is listed twice"
     for key, storage in enumerate(storages):
-        assert records[f"data/{key}"] == _raw(storage), f"storage {key} is not torch's data/{key}"
+        assert records[f"data/{key}"] == storage_bytes(storage), f"storage {key} is not torch's data/{key}"
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -514,7 +512,7 @@ def test_metadata_is_snapshotted_when_planned() -> None:
     for offset, data in layout.metadata:
         buffer[offset : offset + len(data)] = data
     for record in layout.records:
-        buffer[record.offset : record.offset + record.nbytes] = _raw(storages[record.key])
+        buffer[record.offset : record.offset + record.nbytes] = storage_bytes(storages[record.key])
     loaded = torch.load(io.BytesIO(bytes(buffer)), weights_only=True)
     assert loaded["step"] == 1 and loaded["history"] == [1, 2]
 
@@ -607,7 +605,7 @@ def test_tensors_torch_refuses_under_skip_data_are_not_a_capture_error(case: str
     for offset, data in layout.metadata:
         assembled[offset : offset + len(data)] = data
     for record in layout.records:
-        assembled[record.offset : record.offset + record.nbytes] = _raw(storages[record.key])
+        assembled[record.offset : record.offset + record.nbytes] = storage_bytes(storages[record.key])
     assert _mask_volatile(bytes(assembled)) == _mask_volatile(reference)
 
 
