@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from lightning_datastates.errors import CheckpointCorruptError
-from lightning_datastates.reader import verify_checkpoint
+from lightning_datastates.load.reader import verify_checkpoint
 from lightning_datastates.storage import LocalWriter, StorageWriter, local_path, writer_for
 from lightning_datastates.storage.base import DEFAULT_STALE_AGE_S
 

@@ -95,7 +95,7 @@ class DataStatesConfig:
     serve_from_memory: bool = True
     direct_io: DirectIO = "auto"
     # Not a user setting: lazy chunks of host tensors are written straight from them when the storage takes writes
-    # at memory speed (snapshot/direct.py). Tests turn it off to exercise the arena path on the CPU.
+    # at memory speed (write/through.py). Tests turn it off to exercise the arena path on the CPU.
     write_through: bool = True
 
     @classmethod

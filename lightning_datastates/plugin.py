@@ -28,7 +28,7 @@ from lightning_datastates.config import (
 )
 from lightning_datastates.errors import CheckpointFlushError
 from lightning_datastates.interrupts import sigint_deferred
-from lightning_datastates.reader import load_checkpoint
+from lightning_datastates.load.reader import load_checkpoint
 from lightning_datastates.snapshot.engine import SnapshotEngine
 from lightning_datastates.snapshot.job import SnapshotStats
 from lightning_datastates.storage import StorageWriter, writer_for

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-from lightning_datastates.reader import load_checkpoint
+from lightning_datastates.load.reader import load_checkpoint
 from lightning_datastates.storage.s3 import S3Writer
 from tests.s3_server import MotoProcess, S3Env
 

@@ -24,12 +24,12 @@ import time
 import pytest
 
 from lightning_datastates.callback import DataStatesCallback
+from lightning_datastates.copy.sharing import SharedCopies
+from lightning_datastates.load import resident
 from lightning_datastates.plugin import DataStatesIO
-from lightning_datastates.snapshot import resident
-from lightning_datastates.snapshot.direct import WriteThrough
 from lightning_datastates.snapshot.engine import SnapshotEngine
 from lightning_datastates.snapshot.job import SnapshotJob
-from lightning_datastates.snapshot.sharing import SharedCopies
+from lightning_datastates.write.through import WriteThrough
 
 
 @pytest.fixture(autouse=True)

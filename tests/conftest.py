@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_datastates import DataStatesIO
-from lightning_datastates.snapshot import copier as copier_module
+from lightning_datastates.copy import copier as copier_module
 from lightning_datastates.snapshot import engine as engine_module
 from lightning_datastates.storage.local import TEMP_SUFFIX, LocalWriter, LocalWriteSession
 

@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from lightning_datastates.snapshot.arena import BLOCK_ALIGNMENT_BYTES, ArenaClosed, Block, HostArena
+from lightning_datastates.copy.arena import BLOCK_ALIGNMENT_BYTES, ArenaClosed, Block, HostArena
 
 PAGE = BLOCK_ALIGNMENT_BYTES
 JOIN_S = 10.0  # generous: only a hang makes a join wait this long

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_datastates.layout import StorageRecord
-from lightning_datastates.snapshot.chunks import Piece, plan_chunks
-from lightning_datastates.snapshot.copier import (
+from lightning_datastates.capture.chunks import Piece, plan_chunks
+from lightning_datastates.capture.layout import StorageRecord
+from lightning_datastates.copy.copier import (
     COPY_WINDOW_BYTES,
     GIL_HELD_COPY_BYTES,
     CopierSet,

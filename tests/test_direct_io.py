@@ -21,8 +21,8 @@ import torch.utils.serialization
 
 from lightning_datastates import DataStatesIO
 from lightning_datastates.archive import read_archive_index
+from lightning_datastates.capture.layout import plan_layout
 from lightning_datastates.errors import ConfigError
-from lightning_datastates.layout import plan_layout
 from lightning_datastates.storage import local as local_module
 from lightning_datastates.storage.local import DIRECT_IO_ALIGNMENT, LocalWriter, LocalWriteSession
 from tests.conftest import assert_bit_equal, in_background

@@ -24,15 +24,15 @@ from typing import Any
 import pytest
 import torch
 
-import lightning_datastates.checksums as checksums
+import lightning_datastates.write.checksums as checksums
 from lightning_datastates import CheckpointCorruptError, DataStatesIO
 from lightning_datastates.archive import ArchiveFormatError, read_archive_index
-from lightning_datastates.checksums import WINDOW_BYTES, ChecksummingSession, combine_pieces, crc32, crc32_combine
+from lightning_datastates.capture.layout import plan_layout
 from lightning_datastates.errors import ConfigError
-from lightning_datastates.integrity import verify_buffer, verify_file
-from lightning_datastates.layout import plan_layout
+from lightning_datastates.load.integrity import verify_buffer, verify_file
 from lightning_datastates.storage.base import WriteSession
 from lightning_datastates.streams import BufferReader
+from lightning_datastates.write.checksums import WINDOW_BYTES, ChecksummingSession, combine_pieces, crc32, crc32_combine
 from tests.conftest import (
     BNModel,
     assert_bit_equal,
@@ -220,7 +220,7 @@ def test_a_known_crc_is_taken_inside_a_record_and_ranges_across_records_are_chec
 def test_the_copier_crc_is_what_the_file_carries(tmp_path, monkeypatch) -> None:
     """Host tensors are checksummed by the copier while the bytes are in the CPU cache, and writers trust it: a wrong
     copier CRC makes a file that fails verification (so the writers really do not recompute it)."""
-    from lightning_datastates.snapshot import copier as copier_module
+    from lightning_datastates.copy import copier as copier_module
 
     checkpoint = {**_checkpoint(), "big": torch.randn(300_000)}
     _save(str(tmp_path / "good.ckpt"), checkpoint, lazy=True)

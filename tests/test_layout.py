@@ -26,10 +26,9 @@ import pytest
 import torch
 from torch import nn
 
-import lightning_datastates.layout as layout_module
+import lightning_datastates.capture.layout as layout_module
 from lightning_datastates import DataStatesIO
-from lightning_datastates.errors import CheckpointCaptureError
-from lightning_datastates.layout import (
+from lightning_datastates.capture.layout import (
     CheckpointLayout,
     LayoutUnsupported,
     StorageRecord,
@@ -38,6 +37,7 @@ from lightning_datastates.layout import (
     _match_records,
     plan_layout,
 )
+from lightning_datastates.errors import CheckpointCaptureError
 from tests.conftest import storage_bytes
 
 pytestmark = [

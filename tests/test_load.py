@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from lightning_datastates import DataStatesIO
-from lightning_datastates import reader as reader_module
 from lightning_datastates.errors import CheckpointCorruptError
-from lightning_datastates.reader import load_checkpoint
+from lightning_datastates.load import reader as reader_module
+from lightning_datastates.load.reader import load_checkpoint
 from lightning_datastates.storage import LocalWriter
 from tests.conftest import assert_bit_equal
 

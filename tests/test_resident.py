@@ -5,7 +5,7 @@ cache (``hits``, ``misses``, ``evictions``) say whether memory or storage served
 
 Checkpoints reach the arena when their bytes come from a GPU, or go to storage whose writes are not fast (S3,
 direct I/O, gated test writers); host tensors written to a local page cache skip the arena (write-through,
-snapshot/direct.py) and are read back from the page cache instead. So most tests here mark local writes as slow
+write/through.py) and are read back from the page cache instead. So most tests here mark local writes as slow
 (``arena_path``), which routes every byte through the arena as on those targets; the last test checks the default.
 """
 
@@ -24,8 +24,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_datastates import ConfigError, DataStatesIO
-from lightning_datastates.snapshot.arena import HostArena
-from lightning_datastates.snapshot.resident import ResidentCounters
+from lightning_datastates.copy.arena import HostArena
+from lightning_datastates.load.resident import ResidentCounters
 from lightning_datastates.storage.local import PositionalFileSession
 from lightning_datastates.streams import SegmentReader
 from tests.conftest import (

@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_datastates import CheckpointFlushError, DataStatesIO
 from lightning_datastates.errors import ConfigError
-from lightning_datastates.reader import fetch_into_memfd, load_checkpoint
+from lightning_datastates.load.reader import fetch_into_memfd, load_checkpoint
 from lightning_datastates.storage import writer_for
 from lightning_datastates.storage.s3 import (
     MAX_PART_BYTES,

@@ -4,12 +4,12 @@
 a write session, copies the storages that may change before the next barrier (or are tiny) and returns; the
 copier thread moves every other storage into the host arena, chunk by chunk, while training goes on; writer
 threads write each chunk at its offset, free its block (or, with ``serve_from_memory``, hand it to the resident
-cache, :mod:`~lightning_datastates.snapshot.resident`), and commit the file when the last byte is written.
+cache, :mod:`~lightning_datastates.load.resident`), and commit the file when the last byte is written.
 
 Threads are ordinary (non-daemon) threads: at interpreter exit they finish every pending checkpoint and then
 end by themselves, so a script that returns right after ``fit`` still leaves complete files.
 
-No Lightning and no file formats here: the layout comes from :mod:`~lightning_datastates.layout`, the bytes go
+No Lightning and no file formats here: the layout comes from :mod:`~lightning_datastates.capture.layout`, the bytes go
 to a :class:`~lightning_datastates.storage.base.StorageWriter`.
 """
 
@@ -28,10 +28,8 @@ from typing import Any
 
 import torch
 
-from lightning_datastates.checksums import checksummed
-from lightning_datastates.config import DataStatesConfig
-from lightning_datastates.errors import CheckpointCaptureError
-from lightning_datastates.layout import (
+from lightning_datastates.capture.chunks import Chunk, plan_chunks
+from lightning_datastates.capture.layout import (
     CheckpointLayout,
     StorageRecord,
     VerifiedStructures,
@@ -39,14 +37,16 @@ from lightning_datastates.layout import (
     plan_serialized_layout,
     storage_alignment,
 )
-from lightning_datastates.snapshot.arena import BLOCK_ALIGNMENT_BYTES, HostArena, address_view
-from lightning_datastates.snapshot.chunks import Chunk, plan_chunks
-from lightning_datastates.snapshot.copier import CopierSet, PieceCrcs
-from lightning_datastates.snapshot.direct import WRITE_THROUGH_CHUNK_BYTES, WriteThrough
+from lightning_datastates.config import DataStatesConfig
+from lightning_datastates.copy.arena import BLOCK_ALIGNMENT_BYTES, HostArena, address_view
+from lightning_datastates.copy.copier import CopierSet, PieceCrcs
+from lightning_datastates.copy.sharing import FollowerWrite, SharedCopies, SharingCounters
+from lightning_datastates.errors import CheckpointCaptureError
+from lightning_datastates.load.resident import ResidentCache
 from lightning_datastates.snapshot.job import JobState, SnapshotJob, SnapshotStats
-from lightning_datastates.snapshot.resident import ResidentCache
-from lightning_datastates.snapshot.sharing import FollowerWrite, SharedCopies, SharingCounters
 from lightning_datastates.storage.base import StorageWriter, WriteSession
+from lightning_datastates.write.checksums import checksummed
+from lightning_datastates.write.through import WRITE_THROUGH_CHUNK_BYTES, WriteThrough
 
 log = logging.getLogger("lightning_datastates")
 
@@ -96,7 +96,7 @@ class SnapshotEngine:
         self._skipped_since_last_capture = False  # removals right after a skipped save keep their file
         self._sharing = SharedCopies()  # lazy copies open to later checkpoints of the same state
         self._eager_done: deque[SnapshotJob] = deque()  # copier thread: eager part copied, lazy part waiting
-        # The copier thread waits on it for write-through chunks (snapshot/direct.py) and new captures.
+        # The copier thread waits on it for write-through chunks (write/through.py) and new captures.
         self._copier_wake = threading.Condition()
 
     # ------------------------------------------------------------------ training thread
@@ -115,7 +115,7 @@ class SnapshotEngine:
         when this returns. With ``lazy=None`` everything is.
 
         Lazy chunks of host tensors bound for fast storage are written straight from the tensors by writer threads
-        (snapshot/direct.py). Normally the copier copies the same job's chunks into the arena from the last one
+        (write/through.py). Normally the copier copies the same job's chunks into the arena from the last one
         backwards meanwhile, so that little is left to copy when the barrier comes. With ``awaits_commit`` the caller
         changes nothing before this checkpoint is committed (no barrier comes first): then the copier leaves every
         such chunk to the writers, and the checkpoint is written without any copy. Such a save is never skipped by
@@ -140,10 +140,11 @@ class SnapshotEngine:
             if lazy is None or r.nbytes <= self.config.eager_copy_bytes or not lazy(storages[r.key])
         }
         devices = {s.device for s in storages if s.nbytes() > 0}
-        # Writer threads checksum what they write and fill each record's CRC-32 (checksums.py).
+        # Writer threads checksum what they write and fill each record's CRC-32 (write/checksums.py).
         session = checksummed(writer.begin(path, layout.total_bytes), layout.checksums)
         # Direct I/O: pieces sit in their arena block as in the file, modulo the disk block, so that writes need no
-        # bounce copy (chunks.py); chunks are cut from the arena, which is page-aligned, so blocks of a disk block.
+        # bounce copy (capture/chunks.py); chunks are cut from the arena, which is page-aligned, so blocks of a disk
+        # block.
         alignment = session.direct_alignment
         phase_bytes = alignment if alignment and alignment <= chunk_bytes else None
         try:
@@ -182,7 +183,7 @@ class SnapshotEngine:
             if lazy is not None:
                 lazy_records = [r for r in layout.records if r.key not in eager_keys]
                 through = self.config.write_through and session.fast_writes
-                if through:  # small chunks: a barrier waits for those being written (snapshot/direct.py)
+                if through:  # small chunks: a barrier waits for those being written (write/through.py)
                     chunk_bytes = min(chunk_bytes, WRITE_THROUGH_CHUNK_BYTES)
                 job.lazy_chunks = self._plan_shared_lazy_copy(job, lazy_records, storages, chunk_bytes, phase_bytes)
                 if through:
@@ -646,7 +647,7 @@ class SnapshotEngine:
             assert job.sources is not None  # dropped only once no chunk is being written (the copy's end waits)
             views = {p.block_offset: _host_bytes(job.sources[p.key], p.source_offset, p.nbytes) for p in chunk.pieces}
 
-            # Pieces and followers' writes are whole pieces of this chunk (sharing.py): found by their block offset.
+            # Pieces and followers' writes are whole pieces of this chunk (copy/sharing.py): found by block offset.
             def bytes_at(offset: int, nbytes: int) -> memoryview:
                 return views[offset][:nbytes]
 
@@ -665,7 +666,7 @@ class SnapshotEngine:
     ) -> list[tuple[SnapshotJob, list[FollowerWrite]]]:
         """Write ``chunk``'s bytes (``bytes_at(block_offset, nbytes)``) into every checkpoint that shares it, at
         that checkpoint's own offsets; return those checkpoints (the caller releases them). Each write is a whole
-        piece of the chunk (sharing.py), so its CRC-32 in ``crcs`` (by block offset) holds for it too."""
+        piece of the chunk (copy/sharing.py), so its CRC-32 in ``crcs`` (by block offset) holds for it too."""
         followers = self._sharing.take_followers(chunk)
         for follower, writes in followers:
             try:

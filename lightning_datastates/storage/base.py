@@ -26,7 +26,7 @@ class WriteSession(ABC):
 
     path: str
     #: Whether ``write_range`` returns at memory speed (the bytes land in the page cache or a local buffer), so that
-    #: writing straight from training tensors holds them only for moments (see ``snapshot/direct.py``).
+    #: writing straight from training tensors holds them only for moments (see ``write/through.py``).
     fast_writes: bool = False
     #: With direct I/O: ranges whose memory address and file offset agree modulo this many bytes are written straight
     #: from that memory (no bounce copy), so the engine places its arena blocks to match. None: any address will do.
@@ -38,7 +38,7 @@ class WriteSession(ABC):
 
     def write_checksummed_range(self, offset: int, data: memoryview, crc: int) -> None:
         """:meth:`write_range`, for bytes whose CRC-32 the caller already knows; a session that keeps checksums uses
-        it instead of reading the bytes again (see :mod:`~lightning_datastates.checksums`), others ignore it."""
+        it instead of reading the bytes again (see :mod:`~lightning_datastates.write.checksums`), others ignore it."""
         self.write_range(offset, data)
 
     @abstractmethod

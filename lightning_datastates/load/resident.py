@@ -30,11 +30,11 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from lightning_datastates.checksums import ChecksummingSession
-from lightning_datastates.snapshot.arena import Block, HostArena
+from lightning_datastates.copy.arena import Block, HostArena
 from lightning_datastates.snapshot.job import JobState
 from lightning_datastates.storage.base import StorageWriter
 from lightning_datastates.streams import SegmentReader
+from lightning_datastates.write.checksums import ChecksummingSession
 
 if TYPE_CHECKING:
     from lightning_datastates.snapshot.job import SnapshotJob

@@ -6,7 +6,7 @@ waits for blocks to come back (back-pressure) instead of allocating more memory,
 snapshots never exceeds the arena's size.
 
 Blocks may outlive their write: a :attr:`HostArena.reclaim` callback (the resident cache, see
-:mod:`~lightning_datastates.snapshot.resident`) keeps written blocks to serve loads from memory, and gives them
+:mod:`~lightning_datastates.load.resident`) keeps written blocks to serve loads from memory, and gives them
 back on demand: when an allocation finds no space, the arena asks it for blocks before waiting.
 
 Thread model: any thread may call :meth:`allocate` and :meth:`free`; in this package the copier thread

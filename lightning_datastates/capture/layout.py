@@ -21,7 +21,7 @@ index, about a third of the planning time.
 
 Checksums: under ``skip_data`` torch cannot know the payloads' CRC-32s, so the layout leaves every non-empty
 record's CRC-32 fields (central directory entry and data descriptor) out of the metadata and lists them as
-:class:`ChecksumSlot` s; the writer computes and fills them (:mod:`~lightning_datastates.checksums`). Metadata,
+:class:`ChecksumSlot` s; the writer computes and fills them (:mod:`~lightning_datastates.write.checksums`). Metadata,
 payloads and CRC fields tile the file exactly.
 
 This module is pure: no threads, no files, no devices beyond reading tensor metadata.

@@ -25,9 +25,9 @@ from typing import Any, Protocol
 
 import torch
 
-from lightning_datastates.checksums import crc32
-from lightning_datastates.snapshot.arena import address_view
-from lightning_datastates.snapshot.chunks import Piece
+from lightning_datastates.capture.chunks import Piece
+from lightning_datastates.copy.arena import address_view
+from lightning_datastates.write.checksums import crc32
 
 #: Bytes copied, then checksummed, in one go: small enough to stay in the CPU cache in between.
 COPY_WINDOW_BYTES = 512 * 1024

@@ -1,11 +1,11 @@
 """Load checkpoints written by :class:`~lightning_datastates.DataStatesIO` (or by anything else torch can read).
 
 Local files: with ``verify_checksums`` (the default) every record is checked against its CRC-32 first, in parallel
-threads over a read-only mapping (:mod:`~lightning_datastates.integrity`), which also brings the whole file into the
-page cache; then ``torch.load(mmap=True)`` maps the *same open file* (through ``/proc/self/fd``, so a file replaced
-meanwhile cannot slip in between check and load) and the tensors are backed by those pages (copy-on-write: writing
-to a loaded tensor copies its page, the file is never changed). Without verification, the kernel is asked to read
-the file ahead (``POSIX_FADV_WILLNEED``) before the mapped load.
+threads over a read-only mapping (:mod:`~lightning_datastates.load.integrity`), which also brings the whole file
+into the page cache; then ``torch.load(mmap=True)`` maps the *same open file* (through ``/proc/self/fd``, so a
+file replaced meanwhile cannot slip in between check and load) and the tensors are backed by those pages (copy-on-write:
+writing to a loaded tensor copies its page, the file is never changed). Without verification, the kernel is asked
+to read the file ahead (``POSIX_FADV_WILLNEED``) before the mapped load.
 
 S3: the object is fetched with concurrent ranged GETs (``max_concurrent_parts`` at once, ``read_range_bytes``
 each) straight into an anonymous in-memory file (``memfd_create``), verified there, and mapped by torch the same
@@ -26,7 +26,7 @@ from typing import IO, Any, cast
 
 import torch
 
-from lightning_datastates.integrity import IntegrityReport, verify_buffer, verify_file, verify_open_file
+from lightning_datastates.load.integrity import IntegrityReport, verify_buffer, verify_file, verify_open_file
 from lightning_datastates.storage import LocalWriter, StorageWriter, local_path
 from lightning_datastates.storage.s3 import S3Writer
 from lightning_datastates.streams import BufferReader

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_datastates.layout import StorageRecord
-from lightning_datastates.snapshot.chunks import Chunk
+from lightning_datastates.capture.chunks import Chunk
+from lightning_datastates.capture.layout import StorageRecord
 
 if TYPE_CHECKING:
     from lightning_datastates.snapshot.job import SnapshotJob

@@ -6,7 +6,7 @@ sees. :class:`ChecksummingSession` wraps a storage write session: every range wr
 writer thread that writes it (:func:`crc32` releases the GIL), pieces of one record arriving out of order from
 several threads are joined with :func:`crc32_combine`, and the moment a record's last byte is written its CRC-32
 goes into the fields the layout left open for it. The commit is refused if any record was not fully written.
-Zip tools, Python's ``zipfile`` and :mod:`~lightning_datastates.integrity` then agree on every byte.
+Zip tools, Python's ``zipfile`` and :mod:`~lightning_datastates.load.integrity` then agree on every byte.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
-from lightning_datastates.layout import ChecksumSlot
+from lightning_datastates.capture.layout import ChecksumSlot
 from lightning_datastates.storage.base import WriteSession
 
 _POLYNOMIAL = 0xEDB88320  # CRC-32 (zip, zlib), bit-reflected

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from lightning_datastates.layout import StorageRecord
+from lightning_datastates.capture.layout import StorageRecord
 
 #: Pieces packed into one block start on this boundary (cheap memcpy, and matches torch's record alignment).
 PIECE_ALIGNMENT_BYTES = 64

@@ -1,0 +1,2 @@
+"""Write: chunks from the host arena (or straight from host tensors, :mod:`.through`) into a storage session, with the
+CRC-32 of every record computed on the way (:mod:`.checksums`)."""
