@@ -9,8 +9,9 @@ method         what saves
 ``async``      Lightning's ``AsyncCheckpointIO`` around ``TorchCheckpointIO`` (clone on the training thread, write
                on one thread, then the benchmark's fsync on that same thread, timed separately)
 ``dcp``        ``torch.distributed.checkpoint.async_save`` (no process group: ``no_dist=True``) with a reused
-               ``DefaultStager`` (pinned memory where CUDA is present; staging on its own thread) and
-               ``FileSystemWriter(sync_files=True)``; training waits for staging to finish before the optimizer step
+               ``DefaultStager`` (pinned memory where CUDA is present; staging on its own thread; a new one per save
+               where torch closes it after staging, as 2.11 does) and ``FileSystemWriter(sync_files=True)``;
+               training waits for staging to finish before the optimizer step
 ``datastates`` :class:`~lightning_datastates.DataStatesIO` with its defaults
 =============  ====================================================================================================
 
