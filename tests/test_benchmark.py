@@ -17,7 +17,9 @@ from typing import Any
 
 import pytest
 
-from lightning_datastates import benchmark
+from lightning_datastates.benchmark import command, dcp, plot, report, runner, worker
+from lightning_datastates.benchmark.choices import METHODS
+from lightning_datastates.benchmark.recording import Recorder
 
 #: DataStatesIO's blocked time may be at most this fraction of TorchCheckpointIO's in the same short run. Seen here
 #: (2 shared cores): 0.06-0.09 as shipped; 0.24-0.34 with the self-test knob (waiting for durability in save).
@@ -40,19 +42,19 @@ def test_short_benchmark_runs_every_method_and_passes_the_gate(tmp_path: Any) ->
     assert result.returncode == 0, f"benchmark failed:\n{result.stdout}\n{result.stderr}"
     assert "gate: DataStatesIO blocked / TorchCheckpointIO blocked" in result.stdout
     with open(tmp_path / "benchmark.json") as f:
-        report = json.load(f)
-    table = report["table"]
-    assert list(table) == list(benchmark.METHODS)
+        saved = json.load(f)
+    table = saved["table"]
+    assert list(table) == list(METHODS)
     for method in ("torch", "async", "dcp", "datastates"):
         row = table[method]
         assert row["checkpoints"] == 4, (method, row)  # 12 steps, every 3
         assert row["blocked_p50_s"] > 0 and row["durable_p50_s"] > 0 and row["flush_Bps"] > 0, (method, row)
         assert row["bytes"] > 10e6, (method, row)
-    assert report["raw_write_Bps"] and report["raw_write_Bps"][0] > 0
-    by_kind = report["raw_write_Bps_by_kind"]  # the faster of buffered and O_DIRECT (where the file system takes it)
-    assert by_kind["buffered"] and report["raw_write_Bps"][0] == max(by_kind["buffered"][0], *by_kind["direct"][:1])
+    assert saved["raw_write_Bps"] and saved["raw_write_Bps"][0] > 0
+    by_kind = saved["raw_write_Bps_by_kind"]  # the faster of buffered and O_DIRECT (where the file system takes it)
+    assert by_kind["buffered"] and saved["raw_write_Bps"][0] == max(by_kind["buffered"][0], *by_kind["direct"][:1])
     markdown = (tmp_path / "benchmark.md").read_text()
-    for method in benchmark.METHODS:
+    for method in METHODS:
         assert f"| {method} |" in markdown
     assert markdown in result.stdout
     try:
@@ -84,7 +86,7 @@ def _run_record(blocked: list[float], barrier: float = 0.0) -> dict[str, Any]:
 
 
 def test_summary_definitions() -> None:
-    row = benchmark.summarize_run(_run_record([0.1, 0.3, 0.2, 0.4], barrier=0.05), raw_bps=4e6)
+    row = report.summarize_run(_run_record([0.1, 0.3, 0.2, 0.4], barrier=0.05), raw_bps=4e6)
     assert row["blocked_p50_s"] == pytest.approx(0.3)  # median of 0.15, 0.35, 0.25, 0.45
     assert row["blocked_max_s"] == pytest.approx(0.45)
     assert row["durable_p50_s"] == pytest.approx(0.5)
@@ -96,71 +98,116 @@ def test_summary_definitions() -> None:
 def test_combine_takes_medians_over_rounds_and_compares_with_no_checkpointing() -> None:
     none = {"train_s": 10.0, "fit_s": 10.0, "peak_rss_bytes": 1_000_000, "peak_gpu_bytes": None}
     rounds = [
-        {"none": dict(none, train_s=t), "datastates": benchmark.summarize_run(_run_record([b]), None)}
+        {"none": dict(none, train_s=t), "datastates": report.summarize_run(_run_record([b]), None)}
         for t, b in ((10.0, 0.1), (9.0, 0.2), (11.0, 0.3))
     ]
     for r, t in zip(rounds, (10.0, 12.0, 10.5)):
         r["datastates"]["train_s"] = t
-    table = benchmark.combine(rounds)
+    table = report.combine(rounds)
     assert table["none"]["train_s"] == 10.0
     assert table["datastates"]["train_s"] == 10.5
     # Paired by round: 10/10, 12/9, 10.5/11 -> median +0.0% (the ratio of the medians, 10.5/10, would say +5%).
     assert table["datastates"]["overhead"] == pytest.approx(0.0)
     assert table["datastates"]["blocked_p50_s"] == pytest.approx(0.2)
     assert table["datastates"]["extra_rss_per_ckpt"] == pytest.approx(2.0)  # 2 MB more than none, 1 MB files
-    text = benchmark.markdown(table, "header")
+    text = report.markdown(table, "header")
     assert "| datastates | 10.50 | +0.0% | - |" in text
 
 
 def test_quiet_step_overhead_compares_with_steps_free_of_checkpoint_activity() -> None:
     steps = [[0.0, 1.0], [1.0, 2.0], [2.0, 3.5], [3.5, 4.5], [4.5, 5.5]]  # step 3 (1.5 s) overlaps a flush
     checkpoint = {"start": 2.0, "call_s": 0.1, "copy_end": 2.2, "durable": 3.0}
-    assert benchmark.quiet_step_overhead(steps, [checkpoint]) == pytest.approx(5.5 / 5.0 - 1)
-    assert benchmark.quiet_step_overhead(steps[:2], [checkpoint]) == pytest.approx(0.0)
-    assert benchmark.quiet_step_overhead(steps[2:3], []) is None  # fewer than two quiet steps
+    assert report.quiet_step_overhead(steps, [checkpoint]) == pytest.approx(5.5 / 5.0 - 1)
+    assert report.quiet_step_overhead(steps[:2], [checkpoint]) == pytest.approx(0.0)
+    assert report.quiet_step_overhead(steps[2:3], []) is None  # fewer than two quiet steps
 
 
 def test_timeline_without_matplotlib_says_how_to_install(monkeypatch: Any, capsys: Any, tmp_path: Any) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
-    assert benchmark.plot_timeline({}, str(tmp_path / "t.png")) is False
+    assert plot.plot_timeline({}, str(tmp_path / "t.png")) is False
     assert "lightning-datastates[bench]" in capsys.readouterr().out
     assert not os.path.exists(tmp_path / "t.png")
 
 
 def test_command_line_checks() -> None:
     with pytest.raises(SystemExit):
-        benchmark.parse_args(["--methods", "torch,bogus"])
+        command.parse_args(["--methods", "torch,bogus"])
     with pytest.raises(SystemExit):
-        benchmark.parse_args(["--every", "20", "--steps", "8"])
+        command.parse_args(["--every", "20", "--steps", "8"])
     with pytest.raises(SystemExit):
-        benchmark.parse_args(["--methods", "none,torch", "--max-blocked-vs-sync", GATE])
-    args = benchmark.parse_args(["--short"])
+        command.parse_args(["--methods", "none,torch", "--max-blocked-vs-sync", GATE])
+    args = command.parse_args(["--short"])
     assert (args.model, args.rounds) == ("6M", 1)
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux only")
 def test_peak_rss_is_reset_after_the_warm_up() -> None:
     big = bytearray(300 * 2**20)  # touched: resident
-    peak_with_big = benchmark.peak_rss_bytes()
+    peak_with_big = worker.peak_rss_bytes()
     del big
-    assert benchmark.reset_peak_rss()
-    assert benchmark.peak_rss_bytes() < peak_with_big - 200 * 2**20
+    assert worker.reset_peak_rss()
+    assert worker.peak_rss_bytes() < peak_with_big - 200 * 2**20
 
 
 def test_every_other_round_runs_the_methods_in_reverse_order(tmp_path: Any, monkeypatch: Any) -> None:
     """A drifting machine must not favour the methods that run first: rounds alternate the order, and the report
     keeps the order asked for."""
-    assert benchmark.method_order(["none", "torch", "datastates"], 0) == ["none", "torch", "datastates"]
-    assert benchmark.method_order(["none", "torch", "datastates"], 1) == ["datastates", "torch", "none"]
+    assert runner.method_order(["none", "torch", "datastates"], 0) == ["none", "torch", "datastates"]
+    assert runner.method_order(["none", "torch", "datastates"], 1) == ["datastates", "torch", "none"]
     ran: list[str] = []
 
     def fake_run(args: Any, method: str, directory: str, result_path: str) -> dict[str, Any]:
         ran.append(method)  # stands in for the training process: only the order is under test
         return {"params": 1, "checkpoints": [], "train_s": 1.0, "fit_s": 1.0, "peak_rss_bytes": 1, "peak_gpu_bytes": 0}
 
-    monkeypatch.setattr(benchmark, "_spawn", fake_run)
+    monkeypatch.setattr(runner, "_spawn", fake_run)
     out = tmp_path / "out"
-    assert benchmark.main(["--methods", "none,datastates", "--rounds", "3", "--out", str(out), "--no-plot"]) == 0
+    assert command.main(["--methods", "none,datastates", "--rounds", "3", "--out", str(out), "--no-plot"]) == 0
     assert ran == ["none", "datastates", "datastates", "none", "none", "datastates"]
-    report = json.loads((out / "benchmark.json").read_text())
-    assert [list(r) for r in report["rounds"]] == [["none", "datastates"]] * 3
+    saved = json.loads((out / "benchmark.json").read_text())
+    assert [list(r) for r in saved["rounds"]] == [["none", "datastates"]] * 3
+
+
+def _modules_after(imports: str) -> list[str]:
+    """The modules a fresh interpreter holds after ``imports``."""
+    code = f"import sys\n{imports}\nprint(' '.join(sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=300)
+    return done.stdout.split()
+
+
+def test_the_plugin_never_imports_the_benchmark() -> None:
+    loaded = _modules_after("import lightning_datastates.plugin, lightning_datastates.callback")
+    assert "torch" in loaded
+    assert not [m for m in loaded if m.startswith("lightning_datastates.benchmark")]
+
+
+def test_the_benchmark_loads_torch_and_lightning_only_in_its_workers() -> None:
+    loaded = _modules_after("import lightning_datastates.benchmark")
+    assert "lightning_datastates.benchmark.runner" in loaded
+    assert not [m for m in loaded if m.split(".")[0] in ("torch", "lightning")]
+
+
+def test_dcp_uses_a_new_stager_per_save_where_torch_closes_it_after_staging(tmp_path: Any, monkeypatch: Any) -> None:
+    """torch 2.11 closes a DefaultStager at the end of each staging; reused, it fails with KeyError: <class 'type'>
+    (pytorch/pytorch#183413). Simulated here: the dcp method must notice and stage each save with a new stager."""
+    import torch
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    stage = DefaultStager._stage
+
+    def stage_then_close(self: Any, state_dict: Any, **kwargs: Any) -> Any:
+        try:
+            return stage(self, state_dict, **kwargs)
+        finally:
+            self._state_dict_stager.close()  # what torch 2.11's DefaultStager._stage does
+
+    monkeypatch.setattr(DefaultStager, "_stage", stage_then_close)
+    assert not dcp.stager_survives_staging()
+    recorder = Recorder()
+    io = dcp.DcpAsyncIO(recorder)
+    for step in range(3):
+        io.save_checkpoint({"state_dict": {"w": torch.full((8,), float(step))}, "step": step}, tmp_path / f"c{step}")
+        io.wait_staging()  # as DcpBarrier does before the next optimizer step
+    io.teardown()
+    assert len(recorder.checkpoints) == 3
+    assert all((tmp_path / f"c{step}" / ".metadata").is_file() for step in range(3))

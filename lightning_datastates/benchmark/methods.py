@@ -1,0 +1,159 @@
+"""The checkpointing methods under comparison, each a timed ``CheckpointIO`` (plus the callbacks some need).
+
+=============  ====================================================================================================
+method         what saves
+=============  ====================================================================================================
+``none``       nothing (checkpointing disabled): the reference for overheads
+``torch``      Lightning's ``TorchCheckpointIO`` (synchronous; no fsync: the benchmark fsyncs each file afterwards
+               on a helper thread, timed separately)
+``async``      Lightning's ``AsyncCheckpointIO`` around ``TorchCheckpointIO`` (clone on the training thread, write
+               on one thread, then the benchmark's fsync on that same thread, timed separately)
+``dcp``        ``torch.distributed.checkpoint.async_save`` (no process group: ``no_dist=True``) with a reused
+               ``DefaultStager`` (pinned memory where CUDA is present; staging on its own thread; a new one per save
+               where torch closes it after staging, as 2.11 does) and ``FileSystemWriter(sync_files=True)``;
+               training waits for staging to finish before the optimizer step
+``datastates`` :class:`~lightning_datastates.DataStatesIO` with its defaults
+=============  ====================================================================================================
+
+Everything here runs in a worker subprocess (:mod:`lightning_datastates.benchmark.worker`): ``save_checkpoint`` on
+the training thread, the rest on the threads each class names. Each save fills one record of the
+:class:`~lightning_datastates.benchmark.recording.Recorder`: ``start``, ``call_s`` and ``barrier_s`` (the training
+thread's time), ``copy_end`` (the state was captured), ``flush_start``, ``written`` and ``durable``.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.io import AsyncCheckpointIO, CheckpointIO, TorchCheckpointIO
+
+from lightning_datastates.benchmark.choices import METHODS
+from lightning_datastates.benchmark.dcp import DcpAsyncIO, DcpBarrier
+from lightning_datastates.benchmark.recording import Fsyncer, Recorder, fsync_path, is_local, mark_saved
+from lightning_datastates.plugin import DataStatesIO
+
+
+class BenchTorchIO(TorchCheckpointIO):
+    """Lightning's default, timed; each written file is fsynced afterwards on a helper thread (timed apart)."""
+
+    def __init__(self, recorder: Recorder, fsyncer: Fsyncer) -> None:
+        super().__init__()
+        self.recorder, self.fsyncer = recorder, fsyncer
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        """Save synchronously; the whole call blocks training."""
+        start = time.perf_counter()
+        record = self.recorder.new_checkpoint(os.fspath(path), start)
+        record["flush_start"] = start
+        super().save_checkpoint(checkpoint, path, storage_options)
+        record["copy_end"] = record["written"] = time.perf_counter()
+        mark_saved(self.recorder, record, start)
+        self.fsyncer.submit(os.fspath(path), record)
+
+
+class _WrittenTorchIO(TorchCheckpointIO):
+    """The inner CheckpointIO of ``async``: writes, then fsyncs on the same (writer) thread, both timed."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+        self.pending: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        """Write ``path`` and fsync it (runs on AsyncCheckpointIO's thread)."""
+        record = self.pending.get()
+        record["flush_start"] = time.perf_counter()
+        super().save_checkpoint(checkpoint, path, storage_options)
+        record["written"] = time.perf_counter()
+        if is_local(os.fspath(path)):
+            record["fsync_s"] = fsync_path(os.fspath(path))
+        record["durable"] = time.perf_counter()
+
+
+class BenchAsyncIO(AsyncCheckpointIO):
+    """Lightning's ``AsyncCheckpointIO``, timed: the save call clones the tensors; the write runs on its thread."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        self.inner = _WrittenTorchIO(recorder)
+        super().__init__(self.inner)
+        self.recorder = recorder
+
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        """Clone and submit (blocks training for the clone)."""
+        start = time.perf_counter()
+        path = kwargs.get("path", args[1] if len(args) > 1 else "")
+        record = self.recorder.new_checkpoint(os.fspath(path), start)
+        self.inner.pending.put(record)
+        super().save_checkpoint(*args, **kwargs)
+        record["copy_end"] = time.perf_counter()
+        mark_saved(self.recorder, record, start)
+
+
+class BenchDataStatesIO(DataStatesIO):
+    """DataStatesIO, timed; ``wait_durable`` (a self-test knob) makes each save wait for its commit, to prove the
+    blocked-time gate fails when the lazy path is broken.
+
+    1) :meth:`save_checkpoint` and :meth:`barrier` on the training thread 2) :meth:`finish_records` after ``fit``.
+    """
+
+    def __init__(self, recorder: Recorder, wait_durable: bool = False, **options: Any) -> None:
+        super().__init__(**options)
+        self.recorder, self.wait_durable = recorder, wait_durable
+        self._records: dict[int, dict[str, Any]] = {}
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        """Capture and return (or, with ``wait_durable``, wait for the commit)."""
+        start = time.perf_counter()
+        record = self.recorder.new_checkpoint(os.fspath(path), start)
+        record["flush_start"] = start
+        super().save_checkpoint(checkpoint, path, storage_options)
+        if self.wait_durable:
+            self.engine.wait_path(os.fspath(path))
+        self._records[id(self.stats[-1])] = record
+        mark_saved(self.recorder, record, start)
+
+    def barrier(self) -> float:
+        """The plugin's barrier, timed for the timeline (its engine attributes the wait to a checkpoint)."""
+        start = time.perf_counter()
+        waited = super().barrier()
+        if waited > 0:
+            self.recorder.waited(None, start, time.perf_counter())
+        return waited
+
+    def finish_records(self) -> None:
+        """Copy the engine's per-checkpoint figures into the records (after fit)."""
+        for stats in self.stats:
+            record = self._records.get(id(stats))
+            if record is None:
+                continue
+            if stats.state != "committed":
+                raise RuntimeError(f"DataStatesIO checkpoint {stats.path} ended {stats.state}")
+            record["barrier_s"] = stats.barrier_wait_s
+            record["copy_end"] = stats.started_at + (stats.copy_s or 0.0)
+            record["written"] = record["durable"] = stats.started_at + (stats.durable_s or 0.0)
+
+
+def plugin_for(
+    method: str, recorder: Recorder, fsyncer: Fsyncer, wait_durable: bool = False, options: dict[str, Any] | None = None
+) -> tuple[CheckpointIO | None, list[Callback]]:
+    """The timed CheckpointIO of ``method`` (None for ``none``) and the callbacks it needs beside ``ModelCheckpoint``.
+
+    ``wait_durable`` and ``options`` (keyword arguments of :class:`~lightning_datastates.DataStatesIO`) apply to
+    ``datastates`` only.
+    """
+    if method == "none":
+        return None, []
+    if method == "torch":
+        return BenchTorchIO(recorder, fsyncer), []
+    if method == "async":
+        return BenchAsyncIO(recorder), []
+    if method == "dcp":
+        dcp = DcpAsyncIO(recorder)
+        return dcp, [DcpBarrier(dcp)]
+    if method == "datastates":
+        return BenchDataStatesIO(recorder, wait_durable, **(options or {})), []
+    raise ValueError(f"unknown method {method!r}; choose from {METHODS}")

@@ -1,0 +1,154 @@
+"""One method's measured training run: the body of each worker subprocess, and its peak-memory probes.
+
+:mod:`lightning_datastates.benchmark.runner` starts ``python -m lightning_datastates.benchmark --worker METHOD
+--result PATH ...`` once per method and round (clean peak RSS, no cross-talk between methods);
+:func:`worker_main` runs :func:`run_method` on that process's main thread, which is Lightning's training thread, with
+one torch compute thread (the other cores are left to checkpointing, as a GPU node leaves its CPU free), and writes
+the measurements as JSON to ``PATH``. Times in the result are seconds since ``fit`` started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import resource
+import time
+import warnings
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from lightning_datastates._gpt import GPT
+from lightning_datastates.benchmark.choices import MODELS, SEED
+from lightning_datastates.benchmark.command import datastates_options
+from lightning_datastates.benchmark.methods import BenchDataStatesIO, plugin_for
+from lightning_datastates.benchmark.recording import Fsyncer, Recorder, StepClock
+
+
+def _make_model(model: str) -> GPT:
+    vocab, dim, layers, heads, seq_len, _ = MODELS[model]
+    return GPT(vocab, dim, layers, heads, seq_len)
+
+
+def _trainer(steps: int, callbacks: list[Callback], plugin: Any | None, accelerator: str) -> L.Trainer:
+    return L.Trainer(
+        accelerator=accelerator,
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+        callbacks=callbacks,
+        plugins=[plugin] if plugin is not None else None,
+        num_sanity_val_steps=0,
+    )
+
+
+def run_method(method: str, model: str, steps: int, every: int, directory: str, accelerator: str,
+               wait_durable: bool = False, options: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Worker: train ``model`` for ``steps`` steps under ``method`` (one of
+    :data:`~lightning_datastates.benchmark.choices.METHODS`); the measurements.
+
+    Checkpoints go to ``directory`` through ``ModelCheckpoint(every_n_train_steps=every, save_top_k=-1)``.
+    ``options`` are keyword arguments of :class:`~lightning_datastates.DataStatesIO` (method ``datastates``).
+    """
+    torch.set_num_threads(1)
+    for name in ("lightning.pytorch", "lightning.fabric", "torch.distributed"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    batch_size = MODELS[model][5]
+    seq_len = MODELS[model][4]
+    vocab = MODELS[model][0]
+    tokens = torch.randint(vocab, (steps * batch_size, seq_len + 1), generator=torch.Generator().manual_seed(SEED))
+    loader: Any = torch.utils.data.DataLoader(tokens, batch_size=batch_size)  # type: ignore[arg-type]
+    # Warm-up: first-call costs (kernels, allocator, imports) land on no measured step.
+    L.seed_everything(SEED, verbose=False)
+    _trainer(2, [], None, accelerator).fit(_make_model(model), loader)
+    gc.collect()
+    reset_peak_rss()  # the warm-up's model and optimizer are gone: they must not set the peak
+    L.seed_everything(SEED, verbose=False)
+    gpt = _make_model(model)
+    recorder = Recorder()
+    fsyncer = Fsyncer()
+    plugin, method_callbacks = plugin_for(method, recorder, fsyncer, wait_durable, options)
+    callbacks: list[Callback] = [StepClock(recorder), *method_callbacks]
+    if plugin is not None:
+        callbacks.append(ModelCheckpoint(dirpath=directory, every_n_train_steps=every, save_top_k=-1))
+    cuda = torch.cuda.is_available() and accelerator in ("auto", "gpu", "cuda")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer = _trainer(steps, callbacks, plugin, accelerator)
+    started = time.perf_counter()
+    trainer.fit(gpt, loader)
+    fit_end = time.perf_counter()
+    fsyncer.close()
+    if isinstance(plugin, BenchDataStatesIO):
+        plugin.finish_records()
+    rss = peak_rss_bytes()
+    for record in recorder.checkpoints:
+        record["bytes"] = _size_of(record["path"])
+        for key in ("start", "copy_end", "flush_start", "written", "durable"):
+            if record.get(key) is not None:
+                record[key] -= started
+    return {
+        "method": method,
+        "params": sum(p.numel() for p in gpt.parameters()),
+        "fit_s": fit_end - started,
+        "train_s": recorder.steps[-1][1] - started,
+        "steps": [[a - started, b - started] for a, b in recorder.steps],
+        "waits": [[a - started, b - started] for a, b in recorder.waits],
+        "checkpoints": recorder.checkpoints,
+        "peak_rss_bytes": rss,
+        "peak_gpu_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+    }
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    """``--worker METHOD --result PATH``: run one method as the parsed command line says; its JSON into ``PATH``."""
+    result = run_method(
+        args.worker,
+        args.model,
+        args.steps,
+        args.every,
+        args.dir,
+        args.accelerator,
+        args.selftest_wait_durable,
+        datastates_options(args.datastates),
+    )
+    with open(args.result, "w") as out:
+        json.dump(result, out)
+    return 0
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's peak resident memory to its current value (Linux); False where that is impossible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")  # 5: reset the peak RSS (VmHWM) to the current RSS
+    except OSError:
+        return False
+    return True
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory since :func:`reset_peak_rss` (Linux ``VmHWM``), else since the process started."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux, bytes on macOS: a fallback
+
+
+def _size_of(path: str) -> int:
+    if os.path.isdir(path):
+        return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+    return os.path.getsize(path) if os.path.exists(path) else 0
