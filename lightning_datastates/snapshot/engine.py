@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from lightning_datastates.alignment import PAGE_ALIGNMENT_BYTES
 from lightning_datastates.capture.chunks import Chunk, plan_chunks
 from lightning_datastates.capture.layout import (
     CheckpointLayout,
@@ -38,7 +39,7 @@ from lightning_datastates.capture.layout import (
     storage_alignment,
 )
 from lightning_datastates.config import DataStatesConfig
-from lightning_datastates.copy.arena import BLOCK_ALIGNMENT_BYTES, HostArena, address_view
+from lightning_datastates.copy.arena import HostArena, address_view
 from lightning_datastates.copy.copier import CopierSet, PieceCrcs
 from lightning_datastates.copy.sharing import FollowerWrite, SharedCopies, SharingCounters
 from lightning_datastates.errors import CheckpointCaptureError
@@ -129,7 +130,7 @@ class SnapshotEngine:
         layout, storages = self._plan(checkpoint)
         # Room for the padding of chunk planning too (pieces placed in phase for direct I/O, blocks rounded up to
         # pages), so that a checkpoint the size of the default arena fits in it whole and the copy never waits.
-        arena = self._ensure_arena(layout.payload_bytes + (len(layout.records) + 1) * 2 * BLOCK_ALIGNMENT_BYTES)
+        arena = self._ensure_arena(layout.payload_bytes + (len(layout.records) + 1) * 2 * PAGE_ALIGNMENT_BYTES)
         skip_reason = self._admit(layout, arena, may_skip=lazy is not None and not awaits_commit)
         if skip_reason is not None:
             return self._skip(path, layout, started_at, skip_reason)
