@@ -52,7 +52,7 @@ class CopyLoop:
         wake: threading.Condition,
         retire_if_idle: Callable[[queue.Queue[Any], float], bool],
     ) -> None:
-        self.arena = arena
+        self._arena = arena
         self._copiers = copiers
         self._sharing = sharing
         self._write_queue = write_queue
@@ -179,12 +179,12 @@ class CopyLoop:
         if not self._sharing.must_copy(job, chunk):
             return  # failed or superseded, and no other checkpoint follows it: the bytes would never be committed
         assert job.sources is not None
-        block = self.arena.allocate(chunk.block_bytes)  # back-pressure: waits for writers to free space
+        block = self._arena.allocate(chunk.block_bytes)  # back-pressure: waits for writers to free space
         try:
             # The CRC-32s where the copier computed them on the way (host sources).
-            crcs = self._copiers.copy_chunk(self.arena.tensor(block), chunk.pieces, job.sources, job.marks)
+            crcs = self._copiers.copy_chunk(self._arena.tensor(block), chunk.pieces, job.sources, job.marks)
         except BaseException:
-            self.arena.free(block)
+            self._arena.free(block)
             raise
         self._sharing.count_copied(sum(piece.nbytes for piece in chunk.pieces))
         job.add_outstanding()

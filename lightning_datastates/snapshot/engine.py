@@ -3,9 +3,10 @@
 The steps of a checkpoint, and where each lives:
 
 1. **capture** (training thread, :meth:`SnapshotEngine.capture`): plan the file layout
-   (:mod:`~lightning_datastates.capture.layout`; the non-tensor skeleton is pickled there and then), admit the
-   checkpoint into the host arena (:mod:`~lightning_datastates.capture.admission`), open a write session, cut the
-   storages into chunks (:mod:`~lightning_datastates.capture.chunks`), sharing earlier copies of the same state
+   (:mod:`~lightning_datastates.snapshot.planning` over :mod:`~lightning_datastates.capture.layout`; the non-tensor
+   skeleton is pickled there and then), admit the checkpoint into the host arena
+   (:mod:`~lightning_datastates.capture.admission`), open a write session, cut the storages into chunks
+   (:mod:`~lightning_datastates.capture.chunks`), sharing earlier copies of the same state
    (:mod:`~lightning_datastates.copy.sharing`), register the checkpoint (:mod:`~lightning_datastates.snapshot.pending`)
    and hand it to the copier. It returns once the storages that may change before the next barrier (or are tiny) are
    in host memory.
@@ -28,7 +29,6 @@ go to a :class:`~lightning_datastates.storage.base.StorageWriter`.
 from __future__ import annotations
 
 import io
-import logging
 import queue
 import threading
 import time
@@ -55,8 +55,6 @@ from lightning_datastates.storage.base import StorageWriter
 from lightning_datastates.write.checksums import checksummed
 from lightning_datastates.write.loop import WriteLoop
 from lightning_datastates.write.tasks import WriteQueue
-
-log = logging.getLogger("lightning_datastates")
 
 #: Stats of this many recent checkpoints are kept.
 _HISTORY_LENGTH = 1000
