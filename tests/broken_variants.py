@@ -24,6 +24,7 @@ import time
 import pytest
 
 from lightning_datastates.callback import DataStatesCallback
+from lightning_datastates.copy.loop import CopyLoop
 from lightning_datastates.copy.sharing import SharedCopies
 from lightning_datastates.load import resident
 from lightning_datastates.plugin import DataStatesIO
@@ -58,8 +59,8 @@ def _broken_variant(monkeypatch: pytest.MonkeyPatch) -> None:
     elif variant == "no-sharing":
         monkeypatch.setattr(SharedCopies, "follow", lambda self, job, records, storages: set())
     elif variant == "write-through":
-        monkeypatch.setattr(SnapshotEngine, "_copy_unwritten", lambda self, job, through: None)
-        monkeypatch.setattr(SnapshotEngine, "_wait_copier", lambda self, ready: None)
+        monkeypatch.setattr(CopyLoop, "_copy_unwritten", lambda self, job, through: None)
+        monkeypatch.setattr(CopyLoop, "_wait_copier", lambda self, ready: None)
         monkeypatch.setattr(WriteThrough, "close", lambda self: None)
         monkeypatch.setattr(WriteThrough, "take_unwritten", lambda self: [])
 

@@ -16,8 +16,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_datastates import DataStatesIO
 from lightning_datastates.copy import copier as copier_module
-from lightning_datastates.snapshot import engine as engine_module
 from lightning_datastates.storage.local import TEMP_SUFFIX, LocalWriter, LocalWriteSession
+from lightning_datastates.write import loop as write_loop_module
 
 
 class BNModel(L.LightningModule):
@@ -133,7 +133,7 @@ def slow_copies(monkeypatch: pytest.MonkeyPatch) -> None:
     writer taking a write-through chunk's source bytes), without touching the logic under test.
     """
     original = copier_module.CpuCopier.copy_pieces
-    original_host_bytes = engine_module._host_bytes
+    original_host_bytes = write_loop_module._host_bytes
 
     def slow_copy(self: Any, block: torch.Tensor, pieces: Any, sources: Any, mark: Any) -> dict[int, Any]:
         crcs = {}
@@ -147,7 +147,7 @@ def slow_copies(monkeypatch: pytest.MonkeyPatch) -> None:
         return original_host_bytes(storage, offset, nbytes)
 
     monkeypatch.setattr(copier_module.CpuCopier, "copy_pieces", slow_copy)
-    monkeypatch.setattr(engine_module, "_host_bytes", slow_host_bytes)
+    monkeypatch.setattr(write_loop_module, "_host_bytes", slow_host_bytes)
 
 
 class GatedWriter(LocalWriter):

@@ -49,7 +49,7 @@ class CountingIO(ReferenceRecordingIO):
         super().teardown()
 
     def _report_pending(self) -> None:
-        pending = 0 if self._engine is None else len(self._engine._active)
+        pending = 0 if self._engine is None else len(self._engine._pending.active)
         print(f"draining {pending} pending", flush=True)
 
 

@@ -22,7 +22,7 @@ import torch
 import lightning_datastates.plugin as plugin_module
 from lightning_datastates import DataStatesIO
 from lightning_datastates.plugin import _path_str
-from lightning_datastates.snapshot import engine as engine_module
+from lightning_datastates.snapshot import threads as threads_module
 from lightning_datastates.snapshot.engine import SnapshotEngine
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,7 +59,7 @@ def break_draining() -> None:
     SnapshotEngine.wait_path = lambda self, path: None  # type: ignore[method-assign]
     daemon_threading = types.SimpleNamespace(**vars(threading))
     daemon_threading.Thread = lambda *a, **k: threading.Thread(*a, **{**k, "daemon": True})
-    engine_module.threading = daemon_threading  # type: ignore[attr-defined]
+    threads_module.threading = daemon_threading  # type: ignore[attr-defined]
 
 
 def datastates_threads() -> list[str]:

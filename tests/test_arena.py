@@ -10,9 +10,10 @@ import threading
 import pytest
 import torch
 
-from lightning_datastates.copy.arena import BLOCK_ALIGNMENT_BYTES, ArenaClosed, Block, HostArena
+from lightning_datastates.alignment import PAGE_ALIGNMENT_BYTES
+from lightning_datastates.copy.arena import ArenaClosed, Block, HostArena
 
-PAGE = BLOCK_ALIGNMENT_BYTES
+PAGE = PAGE_ALIGNMENT_BYTES
 JOIN_S = 10.0  # generous: only a hang makes a join wait this long
 
 

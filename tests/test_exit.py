@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from lightning_datastates import DataStatesIO
+from lightning_datastates.copy.loop import CopyLoop
 from lightning_datastates.interrupts import sigint_deferred
-from lightning_datastates.snapshot.engine import SnapshotEngine
 from tests.conftest import assert_bit_equal, in_background, temp_files
 from tests.script_support import launch
 
@@ -124,19 +124,13 @@ def test_ctrl_c_during_capture_is_delivered_after_it_and_nothing_is_lost(tmp_pat
     """SIGINT at the worst moment of a capture (registered, not yet queued) must not strand the checkpoint."""
     plugin = in_background(DataStatesIO(host_cache="1MiB"))
     path = str(tmp_path / "a.ckpt")
-    original_start = SnapshotEngine._start_missing_threads
+    original_submit = CopyLoop.submit
 
-    def start_then_interrupt(self):
-        original_start(self)
-        queue_put = self._copy_queue.put
+    def submit(self, job):  # Ctrl+C arrives just before the job is handed to the copier
+        os.kill(os.getpid(), signal.SIGINT)
+        original_submit(self, job)
 
-        def put(job, *args, **kwargs):  # Ctrl+C arrives just before the job is handed to the copier
-            os.kill(os.getpid(), signal.SIGINT)
-            queue_put(job, *args, **kwargs)
-
-        self._copy_queue.put = put
-
-    monkeypatch.setattr(SnapshotEngine, "_start_missing_threads", start_then_interrupt)
+    monkeypatch.setattr(CopyLoop, "submit", submit)
     state = {"w": torch.arange(10_000, dtype=torch.float32)}
     with pytest.raises(KeyboardInterrupt):
         plugin.save_checkpoint(state, path)

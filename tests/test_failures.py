@@ -113,7 +113,7 @@ def test_background_failure_in_fit_raises_once_and_teardown_runs(tmp_path, monke
     assert "ckpt" in raised.value.path
     assert spy.exceptions == [raised.value]  # Lightning's exception path ran: on_exception hooks...
     assert trainer.state.status.value == "interrupted"
-    assert plugin.engine._threads == []  # ...and the strategy's teardown, which tears the plugin down
+    assert plugin.engine._threads.running == []  # ...and the strategy's teardown, which tears the plugin down
     assert not os.path.exists(raised.value.path)
     for name in os.listdir(tmp_path / "ckpt"):  # every file that exists is whole
         torch.load(tmp_path / "ckpt" / name, weights_only=True)

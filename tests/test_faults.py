@@ -245,7 +245,7 @@ _SLOW_STORAGE_SCRIPT = textwrap.dedent(
         def __init__(self):
             self.most = 0
         def on_train_batch_end(self, trainer, *args):
-            self.most = max(self.most, sum(not job.finished.is_set() for job in list(plugin.engine._active)))
+            self.most = max(self.most, sum(not job.finished.is_set() for job in list(plugin.engine._pending.active)))
 
     steps = int(sys.argv[2])
     plugin = DataStatesIO(host_cache="16MiB", chunk_size="1MiB", writer_threads=2)

@@ -160,10 +160,10 @@ def test_without_callback_everything_is_copied_before_save_returns(tmp_path, gat
 def test_teardown_stops_threads_and_plugin_restarts(tmp_path):
     plugin = in_background(DataStatesIO())
     plugin.save_checkpoint(_checkpoint(1), str(tmp_path / "a.ckpt"))
-    threads = list(plugin.engine._threads)
+    threads = plugin.engine._threads.running
     plugin.teardown()
     assert threads and not any(t.is_alive() for t in threads)
-    assert plugin.engine._threads == []
+    assert plugin.engine._threads.running == []
     plugin.save_checkpoint(_checkpoint(2), str(tmp_path / "b.ckpt"))
     plugin.teardown()
     assert_bit_equal(torch.load(str(tmp_path / "b.ckpt"), weights_only=True), _checkpoint(2))

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from lightning_datastates.snapshot.engine import THREAD_NICE_ENV, lower_thread_priority
+from lightning_datastates.snapshot.threads import THREAD_NICE_ENV, lower_thread_priority
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux behaviour")
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from lightning_datastates.alignment import align_up
 from lightning_datastates.capture.layout import StorageRecord
 
 #: Pieces packed into one block start on this boundary (cheap memcpy, and matches torch's record alignment).
@@ -68,7 +69,7 @@ def plan_chunks(records: Iterable[StorageRecord], chunk_bytes: int, phase_bytes:
             file_offset = record.offset + done
             # Only a piece that can hold a whole disk block is placed in phase.
             phase = phase_bytes if phase_bytes is not None and record.nbytes - done >= phase_bytes else None
-            start = _in_phase(filled, file_offset, phase) if phase else _align_up(filled)
+            start = _in_phase(filled, file_offset, phase) if phase else align_up(filled, PIECE_ALIGNMENT_BYTES)
             if start >= chunk_bytes:
                 close_chunk()
                 start = _in_phase(0, file_offset, phase) if phase else 0
@@ -78,10 +79,6 @@ def plan_chunks(records: Iterable[StorageRecord], chunk_bytes: int, phase_bytes:
             done += take
     close_chunk()
     return chunks
-
-
-def _align_up(nbytes: int) -> int:
-    return -(-nbytes // PIECE_ALIGNMENT_BYTES) * PIECE_ALIGNMENT_BYTES
 
 
 def _in_phase(filled: int, file_offset: int, phase_bytes: int) -> int:

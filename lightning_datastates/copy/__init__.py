@@ -1,2 +1,2 @@
-"""Copy: training state into the host arena (:mod:`.arena`), by the copier (:mod:`.copier`), sharing earlier copies
-of the same state between checkpoints (:mod:`.sharing`)."""
+"""Copy: training state into the host arena (:mod:`.arena`), by the copiers (:mod:`.copier`) on the copier thread
+(:mod:`.loop`), sharing earlier copies of the same state between checkpoints (:mod:`.sharing`)."""

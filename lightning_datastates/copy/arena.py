@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import bisect
 import ctypes
-import mmap
 import threading
 import time
 from collections.abc import Callable
@@ -25,8 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-#: Blocks start and end on this boundary: page-aligned (at least 4 KiB): direct I/O writes straight from the arena.
-BLOCK_ALIGNMENT_BYTES = max(4096, mmap.PAGESIZE)
+from lightning_datastates.alignment import PAGE_ALIGNMENT_BYTES, align_up
 
 
 @dataclass(frozen=True)
@@ -38,8 +36,9 @@ class Block:
 
     @property
     def reserved_bytes(self) -> int:
-        """Bytes the block occupies in the arena (``nbytes`` rounded up to the alignment)."""
-        return _align_up(max(self.nbytes, 1))
+        """Bytes the block occupies in the arena (``nbytes`` rounded up to whole pages: direct I/O writes straight
+        from the arena)."""
+        return align_up(max(self.nbytes, 1))
 
 
 class ArenaClosed(Exception):
@@ -50,17 +49,17 @@ class HostArena:
     """A fixed-size host buffer with a first-fit, coalescing free list.
 
     Args:
-        size_bytes: capacity; rounded up to :data:`BLOCK_ALIGNMENT_BYTES`.
+        size_bytes: capacity; rounded up to :data:`~lightning_datastates.alignment.PAGE_ALIGNMENT_BYTES`.
         pin_memory: page-lock the buffer (wanted when copies come from a CUDA device: DMA straight into it).
     """
 
     def __init__(self, size_bytes: int, pin_memory: bool = False) -> None:
-        self.size_bytes = _align_up(size_bytes)
+        self.size_bytes = align_up(size_bytes)
         self.pinned = pin_memory
         # Over-allocate by a page and start on a page boundary: torch's CPU allocator aligns to 64 bytes only,
         # and direct I/O needs page-aligned memory as well as page-aligned offsets.
-        raw = torch.empty(self.size_bytes + BLOCK_ALIGNMENT_BYTES, dtype=torch.uint8, pin_memory=pin_memory)
-        shift = -raw.data_ptr() % BLOCK_ALIGNMENT_BYTES
+        raw = torch.empty(self.size_bytes + PAGE_ALIGNMENT_BYTES, dtype=torch.uint8, pin_memory=pin_memory)
+        shift = -raw.data_ptr() % PAGE_ALIGNMENT_BYTES
         self.buffer = raw[shift : shift + self.size_bytes]
         self._free: list[tuple[int, int]] = [(0, self.size_bytes)]  # sorted, disjoint (offset, size) ranges
         self._used_bytes = 0
@@ -181,7 +180,3 @@ def address_view(address: int, nbytes: int) -> memoryview:
     if nbytes == 0:
         return memoryview(b"")
     return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
-
-
-def _align_up(nbytes: int) -> int:
-    return -(-nbytes // BLOCK_ALIGNMENT_BYTES) * BLOCK_ALIGNMENT_BYTES

@@ -25,6 +25,7 @@ import torch
 
 from lightning_datastates.capture.chunks import Chunk
 from lightning_datastates.capture.layout import StorageRecord
+from lightning_datastates.compat.torch import storage_identity
 
 if TYPE_CHECKING:
     from lightning_datastates.snapshot.job import SnapshotJob
@@ -53,7 +54,7 @@ class _SharedChunk:
 class _SharedStorage:
     """Where a storage's bytes are being copied: the source job's chunks and pieces holding them."""
 
-    storage: torch.UntypedStorage  # held so its address (the lookup key) cannot be reused while shared
+    storage: torch.UntypedStorage  # held so its identity (the lookup key) cannot be reused while shared
     job: SnapshotJob
     pieces: list[tuple[Chunk, Any]]  # (chunk, Piece) of ``job.lazy_chunks`` covering the storage
 
@@ -71,7 +72,7 @@ class SharedCopies:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._storages: dict[int, _SharedStorage] = {}  # storage address -> where it is being copied
+        self._storages: dict[int, _SharedStorage] = {}  # storage identity -> where it is being copied
         self._chunks: dict[int, _SharedChunk] = {}  # id(chunk) -> sharing state, for every offered chunk
         self.counters = SharingCounters()
 
@@ -89,7 +90,7 @@ class SharedCopies:
         followed: set[int] = set()
         with self._lock:
             for record in records:
-                shared = self._storages.get(storages[record.key]._cdata)
+                shared = self._storages.get(storage_identity(storages[record.key]))
                 if shared is None or shared.job is job or record.nbytes == 0:
                     continue
                 states = [self._chunks.get(id(chunk)) for chunk, _ in shared.pieces]
@@ -117,7 +118,7 @@ class SharedCopies:
                 for piece in chunk.pieces:
                     by_key.setdefault(piece.key, []).append((chunk, piece))
             for key, pieces in by_key.items():
-                self._storages[storages[key]._cdata] = _SharedStorage(storages[key], job, pieces)
+                self._storages[storage_identity(storages[key])] = _SharedStorage(storages[key], job, pieces)
 
     def close_window(self) -> None:
         """A barrier: lazily copied storages may change from now on, so no later checkpoint may follow them.

@@ -68,9 +68,9 @@ class SnapshotJob:
     session: WriteSession
     sources: list[torch.UntypedStorage] | None
     eager_chunks: list[Chunk]
-    lazy_chunks: list[Chunk]
     marks: dict[torch.device, Any]
     stats: SnapshotStats
+    lazy_chunks: list[Chunk] = field(default_factory=list)  # planned at registration, with the sharing of copies
     state: JobState = JobState.COPYING
     error: BaseException | None = None
     cancel_requested: bool = False

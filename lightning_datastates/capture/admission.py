@@ -1,0 +1,97 @@
+"""Admission of a capture into the host arena: how much arena the first checkpoint asks for, and whether a save
+starts now, waits, or is skipped (``on_arena_full``).
+
+Call order, on the training thread, inside capture (:mod:`~lightning_datastates.snapshot.engine`):
+  1) :func:`open_arena` on the first capture, sized by :func:`arena_request_bytes` of its checkpoint;
+  2) :func:`admit` for every capture: None to go on, or why the save is skipped;
+  3) :func:`skipped_stats` for a skipped save (nothing is written).
+The decisions themselves (:func:`pending_limit`, :func:`arena_shortfall`) are pure functions.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from lightning_datastates.alignment import PAGE_ALIGNMENT_BYTES
+from lightning_datastates.capture.layout import CheckpointLayout
+from lightning_datastates.config import DataStatesConfig
+from lightning_datastates.copy.arena import HostArena
+from lightning_datastates.load.resident import ResidentCache
+from lightning_datastates.snapshot.job import JobState, SnapshotJob, SnapshotStats
+
+log = logging.getLogger("lightning_datastates")
+
+#: At most this many checkpoints per writer thread are in flight (captured, not yet committed or dropped): each holds
+#: an open write session and its metadata; beyond it a save waits (or is skipped, with on_arena_full="skip").
+PENDING_PER_WRITER = 2
+
+
+def arena_request_bytes(layout: CheckpointLayout) -> int:
+    """Arena bytes to ask for a checkpoint of ``layout``: its payload, plus room for the padding of chunk planning
+    (pieces placed in phase for direct I/O, blocks rounded up to pages), so that a checkpoint the size of the default
+    arena fits in it whole and the copy never waits."""
+    return layout.payload_bytes + (len(layout.records) + 1) * 2 * PAGE_ALIGNMENT_BYTES
+
+
+def open_arena(config: DataStatesConfig, request_bytes: int) -> tuple[HostArena, ResidentCache | None]:
+    """The host arena for ``request_bytes`` as ``config`` sizes it, and, with ``serve_from_memory``, the resident
+    cache over it."""
+    # Pinned memory lets the CUDA copy engine write straight into the arena, asynchronously.
+    arena = HostArena(config.arena_bytes_for(request_bytes), pin_memory=torch.cuda.is_available())
+    resident = ResidentCache(arena) if config.serve_from_memory else None
+    log.info("lightning_datastates: host arena of %.1f MiB allocated", arena.size_bytes / 2**20)
+    return arena, resident
+
+
+def pending_limit(writer_threads: int) -> int:
+    """How many checkpoints may be in flight at once with ``writer_threads`` writers."""
+    return max(2, PENDING_PER_WRITER * writer_threads)
+
+
+def arena_shortfall(payload_bytes: int, arena_bytes: int, held_bytes: int) -> str | None:
+    """Why a checkpoint of ``payload_bytes`` would wait for arena space that earlier checkpoints hold (``held_bytes``
+    of ``arena_bytes``), or None if it would not."""
+    if held_bytes and arena_bytes - held_bytes < min(payload_bytes, arena_bytes):
+        return f"the host arena ({arena_bytes} bytes) holds {held_bytes} bytes of earlier checkpoints"
+    return None
+
+
+def admit(
+    layout: CheckpointLayout,
+    arena: HostArena,
+    config: DataStatesConfig,
+    may_skip: bool,
+    in_flight: Callable[[], list[SnapshotJob]],
+    held_bytes: Callable[[], int],
+) -> str | None:
+    """Bound the checkpoints in flight before a new one starts: None to go on, or why it is skipped.
+
+    ``on_arena_full="wait"``: wait while too many checkpoints are in flight (the arena then makes the copy wait for
+    space, back-pressure). ``"skip"``: skip this one instead of waiting, also when earlier checkpoints hold arena space
+    this one needs; only saves inside the training loop (``may_skip``) are ever skipped, never a save the caller waits
+    for.
+
+    Args:
+        in_flight: the checkpoints captured and not yet finished, oldest first.
+        held_bytes: arena bytes pending checkpoints hold (retained ones give their space up on demand: not counted).
+    """
+    limit = pending_limit(config.writer_threads)
+    skip = may_skip and config.on_arena_full == "skip"
+    while len(pending := in_flight()) >= limit:
+        if skip:
+            return f"{len(pending)} earlier checkpoints are still being written"
+        pending[0].finished.wait()
+    return arena_shortfall(layout.payload_bytes, arena.size_bytes, held_bytes()) if skip else None
+
+
+def skipped_stats(path: str, layout: CheckpointLayout, started_at: float, reason: str) -> SnapshotStats:
+    """The stats of a checkpoint skipped by ``on_arena_full="skip"`` (``reason``: from :func:`admit`), logged."""
+    log.warning(
+        "lightning_datastates: skipped checkpoint %s (on_arena_full='skip'): %s; storage is slower than saves",
+        path,
+        reason,
+    )
+    return SnapshotStats(path, layout.total_bytes, layout.payload_bytes, started_at, state=JobState.SKIPPED.value)

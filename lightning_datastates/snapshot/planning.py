@@ -1,0 +1,105 @@
+"""What capture plans, on the training thread: the file layout of a checkpoint, and how its lazy part is copied.
+
+Call order, inside :meth:`~lightning_datastates.snapshot.engine.SnapshotEngine.capture`:
+  1) :meth:`LayoutPlanner.plan` first, before anything is written or admitted;
+  2) :func:`plan_lazy_copy` while the checkpoint is registered (its storages are shared with earlier checkpoints of
+     the same barrier interval, and offered to later ones, :mod:`~lightning_datastates.copy.sharing`).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+from typing import Any
+
+import torch
+
+from lightning_datastates.capture.chunks import Chunk, plan_chunks
+from lightning_datastates.capture.layout import (
+    CheckpointLayout,
+    StorageRecord,
+    VerifiedStructures,
+    plan_layout,
+    plan_serialized_layout,
+    storage_alignment,
+)
+from lightning_datastates.copy.sharing import SharedCopies
+from lightning_datastates.errors import CheckpointCaptureError
+from lightning_datastates.snapshot.job import SnapshotJob
+from lightning_datastates.write.through import WRITE_THROUGH_CHUNK_BYTES, WriteThrough
+
+log = logging.getLogger("lightning_datastates")
+
+
+class LayoutPlanner:
+    """Plans the layout of every checkpoint of one engine (``alignment``: the configured ``storage_alignment``)."""
+
+    def __init__(self, alignment: int | None) -> None:
+        self._alignment = alignment
+        # Saves of one training run repeat a few archive structures: planned again, they skip the self-check.
+        self._verified_structures = VerifiedStructures()
+        self._warned_fallback = False
+
+    def plan(self, checkpoint: dict[str, Any]) -> tuple[CheckpointLayout, list[torch.UntypedStorage]]:
+        """The out-of-order layout and its storages; failing that, the checkpoint serialized by a plain
+        ``torch.save`` now (no storages left to copy).
+
+        Raises:
+            CheckpointCaptureError: the checkpoint cannot be pickled.
+        """
+        try:
+            return plan_layout(checkpoint, self._alignment, self._verified_structures)
+        except Exception as reason:  # noqa: BLE001 - LayoutUnsupported, skip_data refused, or an object that cannot be pickled
+            buffer = io.BytesIO()
+            try:
+                with storage_alignment(self._alignment):
+                    torch.save(checkpoint, buffer)
+            except Exception as exc:
+                raise CheckpointCaptureError(
+                    f"the checkpoint cannot be pickled: {exc!r}. Every value in the checkpoint dict "
+                    "(hyperparameters, callback and datamodule state) must be picklable: remove or replace the "
+                    "offending object (lambdas, open files, locks and generators are common culprits)."
+                ) from exc
+            if not self._warned_fallback:
+                log.warning(
+                    "lightning_datastates: cannot plan an out-of-order layout (%r); this checkpoint is serialized "
+                    "with a plain torch.save into host memory during the save call instead (slower, still correct; "
+                    "warned once). Tensors without plain storage (quantized, sparse) cause this: keep them out of the "
+                    "checkpoint to save lazily.",
+                    reason,
+                )
+                self._warned_fallback = True
+            return plan_serialized_layout(buffer.getvalue()), []
+
+
+def plan_lazy_copy(
+    job: SnapshotJob,
+    records: list[StorageRecord],
+    storages: list[torch.UntypedStorage],
+    sharing: SharedCopies,
+    chunk_bytes: int,
+    phase_bytes: int | None,
+    write_through: bool,
+    copier_wake: threading.Condition,
+    awaits_commit: bool,
+) -> None:
+    """Plan ``job``'s lazy chunks from ``records``: storages an earlier checkpoint of this barrier interval copies are
+    followed instead (one host copy serves both files); the rest are planned, and offered to later checkpoints.
+
+    With ``write_through``, chunks of host tensors may be written straight from them (write/through.py), gated by a
+    :class:`~lightning_datastates.write.through.WriteThrough` over ``copier_wake``; the copier races the writers
+    unless the caller ``awaits_commit``.
+    """
+    if write_through:  # small chunks: a barrier waits for those being written (write/through.py)
+        chunk_bytes = min(chunk_bytes, WRITE_THROUGH_CHUNK_BYTES)
+    followed = sharing.follow(job, records, storages)
+    job.lazy_chunks = plan_chunks((r for r in records if r.key not in followed), chunk_bytes, phase_bytes)
+    sharing.offer(job, storages)
+    host_chunks = [c for c in job.lazy_chunks if _all_in_host_memory(c, storages)] if write_through else []
+    if host_chunks:
+        job.write_through = WriteThrough(host_chunks, copier_wake, copier_races=not awaits_commit)
+
+
+def _all_in_host_memory(chunk: Chunk, storages: list[torch.UntypedStorage]) -> bool:
+    return all(storages[piece.key].device.type == "cpu" for piece in chunk.pieces)

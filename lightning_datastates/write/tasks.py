@@ -1,0 +1,60 @@
+"""What the writer threads are asked to do: one small frozen record per task, dispatched by type.
+
+Call order, per checkpoint: 1) :class:`WriteMetadata`, then :class:`WriteChunk` and :class:`WriteThroughChunk` tasks,
+put by the copier thread (:mod:`~lightning_datastates.copy.loop`); 2) one :class:`Commit`, put by whichever thread
+released the checkpoint's last outstanding work. Writer threads take them in any order
+(:mod:`~lightning_datastates.write.loop`).
+"""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from lightning_datastates.capture.chunks import Chunk
+from lightning_datastates.copy.arena import Block
+from lightning_datastates.copy.copier import PieceCrcs
+
+if TYPE_CHECKING:
+    from lightning_datastates.snapshot.job import SnapshotJob
+
+
+@dataclass(frozen=True, eq=False)
+class WriteMetadata:
+    """Write ``job``'s non-tensor bytes (the pickled skeleton, headers, and the like) at their offsets."""
+
+    job: SnapshotJob
+
+
+@dataclass(frozen=True, eq=False)
+class WriteChunk:
+    """Write ``chunk`` of ``job`` from its arena ``block``, then serve the chunk's followers and retire the block;
+    ``crcs``: the CRC-32s the copier computed on the way, by block offset."""
+
+    job: SnapshotJob
+    chunk: Chunk
+    block: Block
+    crcs: PieceCrcs
+
+
+@dataclass(frozen=True, eq=False)
+class WriteThroughChunk:
+    """Write ``chunk`` of ``job`` straight from the training tensors, unless a barrier came first (then the copier
+    copies it into the arena); see :mod:`~lightning_datastates.write.through`."""
+
+    job: SnapshotJob
+    chunk: Chunk
+
+
+@dataclass(frozen=True, eq=False)
+class Commit:
+    """Every write of ``job`` ended: complete its session (or abort it) and finish the job."""
+
+    job: SnapshotJob
+
+
+#: Any task of the writers' queue.
+WriteTask = WriteMetadata | WriteChunk | WriteThroughChunk | Commit
+#: The queue the writer threads take tasks from.
+WriteQueue = queue.Queue[WriteTask]
