@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, Literal, get_args
 
+from lightning_datastates.copy import sizing
 from lightning_datastates.errors import ConfigError
 
 #: A size setting: bytes as an int, or a string such as ``"8GiB"``, ``"512MB"``, ``"4096"``.
@@ -157,12 +157,11 @@ class DataStatesConfig:
         )
 
     def arena_bytes_for(self, payload_bytes: int) -> int:
-        """Arena size: the user's ``host_cache``, or one checkpoint's payload capped at half the free memory."""
+        """Arena size: the user's ``host_cache``, or the default rule of :mod:`~lightning_datastates.copy.sizing`
+        (two checkpoints, at most half the available memory)."""
         if self.host_cache_bytes is not None:
             return self.host_cache_bytes
-        wanted = max(payload_bytes, 64 * 1024**2)
-        available = _available_memory_bytes()
-        return wanted if available is None else max(min(wanted, available // 2), 16 * 1024**2)
+        return sizing.default_arena_bytes(payload_bytes, sizing.available_memory_bytes())
 
 
 def _check_fault_policies(on_flush_error: Any, on_arena_full: Any, stale_after_s: Any) -> None:
@@ -176,17 +175,3 @@ def _check_fault_policies(on_flush_error: Any, on_arena_full: Any, stale_after_s
             raise ConfigError(f"{name} must be {accepted}, got {value!r}")
     if isinstance(stale_after_s, bool) or not isinstance(stale_after_s, (int, float)) or not stale_after_s >= 0:
         raise ConfigError(f"stale_after_s must be a number of seconds >= 0 (default 3600), got {stale_after_s!r}")
-
-
-def _available_memory_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None

@@ -11,13 +11,14 @@ The decisions themselves (:func:`pending_limit`, :func:`arena_shortfall`) are pu
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
-
-import torch
+from dataclasses import dataclass
 
 from lightning_datastates.alignment import PAGE_ALIGNMENT_BYTES
 from lightning_datastates.capture.layout import CheckpointLayout
 from lightning_datastates.config import DataStatesConfig
+from lightning_datastates.copy import pinning
 from lightning_datastates.copy.arena import HostArena
 from lightning_datastates.load.resident import ResidentCache
 from lightning_datastates.snapshot.job import JobState, SnapshotJob, SnapshotStats
@@ -39,8 +40,9 @@ def arena_request_bytes(layout: CheckpointLayout) -> int:
 def open_arena(config: DataStatesConfig, request_bytes: int) -> tuple[HostArena, ResidentCache | None]:
     """The host arena for ``request_bytes`` as ``config`` sizes it, and, with ``serve_from_memory``, the resident
     cache over it."""
-    # Pinned memory lets the CUDA copy engine write straight into the arena, asynchronously.
-    arena = HostArena(config.arena_bytes_for(request_bytes), pin_memory=torch.cuda.is_available())
+    # Page-locked memory lets the CUDA copy engine write straight into the arena, asynchronously; it is locked on a
+    # thread of its own (copy/pinning.py), never on the training thread.
+    arena = HostArena(config.arena_bytes_for(request_bytes), pinner=pinning.default_pinner())
     resident = ResidentCache(arena) if config.serve_from_memory else None
     log.info("lightning_datastates: host arena of %.1f MiB allocated", arena.size_bytes / 2**20)
     return arena, resident
@@ -59,6 +61,14 @@ def arena_shortfall(payload_bytes: int, arena_bytes: int, held_bytes: int) -> st
     return None
 
 
+@dataclass(frozen=True)
+class Admission:
+    """What :func:`admit` decided: why the save is skipped (None: it goes on), and how long it waited first."""
+
+    skip_reason: str | None
+    waited_s: float = 0.0
+
+
 def admit(
     layout: CheckpointLayout,
     arena: HostArena,
@@ -66,8 +76,8 @@ def admit(
     may_skip: bool,
     in_flight: Callable[[], list[SnapshotJob]],
     held_bytes: Callable[[], int],
-) -> str | None:
-    """Bound the checkpoints in flight before a new one starts: None to go on, or why it is skipped.
+) -> Admission:
+    """Bound the checkpoints in flight before a new one starts: whether it is skipped, and the time waited.
 
     ``on_arena_full="wait"``: wait while too many checkpoints are in flight (the arena then makes the copy wait for
     space, back-pressure). ``"skip"``: skip this one instead of waiting, also when earlier checkpoints hold arena space
@@ -80,11 +90,15 @@ def admit(
     """
     limit = pending_limit(config.writer_threads)
     skip = may_skip and config.on_arena_full == "skip"
+    waited_since = None
     while len(pending := in_flight()) >= limit:
         if skip:
-            return f"{len(pending)} earlier checkpoints are still being written"
+            return Admission(f"{len(pending)} earlier checkpoints are still being written")
+        waited_since = waited_since or time.perf_counter()
         pending[0].finished.wait()
-    return arena_shortfall(layout.payload_bytes, arena.size_bytes, held_bytes()) if skip else None
+    waited_s = 0.0 if waited_since is None else time.perf_counter() - waited_since
+    shortfall = arena_shortfall(layout.payload_bytes, arena.size_bytes, held_bytes()) if skip else None
+    return Admission(shortfall, waited_s)
 
 
 def skipped_stats(path: str, layout: CheckpointLayout, started_at: float, reason: str) -> SnapshotStats:

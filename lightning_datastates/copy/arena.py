@@ -9,6 +9,11 @@ Blocks may outlive their write: a :attr:`HostArena.reclaim` callback (the reside
 :mod:`~lightning_datastates.load.resident`) keeps written blocks to serve loads from memory, and gives them
 back on demand: when an allocation finds no space, the arena asks it for blocks before waiting.
 
+The buffer is ordinary pageable memory, mapped by the kernel page by page as it is first written (allocating it
+takes microseconds, on any thread). Where a :class:`~lightning_datastates.copy.pinning.Pinner` is given (CUDA hosts),
+a thread of its own page-locks the buffer afterwards (:mod:`~lightning_datastates.copy.pinning`): copies made before
+that take the pageable path, none waits for it.
+
 Thread model: any thread may call :meth:`allocate` and :meth:`free`; in this package the copier thread
 allocates and the writer threads free.
 """
@@ -19,12 +24,14 @@ import bisect
 import ctypes
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from lightning_datastates.alignment import PAGE_ALIGNMENT_BYTES, align_up
+from lightning_datastates.copy.pinning import ArenaPinning, Pinner
 
 
 @dataclass(frozen=True)
@@ -50,20 +57,26 @@ class HostArena:
 
     Args:
         size_bytes: capacity; rounded up to :data:`~lightning_datastates.alignment.PAGE_ALIGNMENT_BYTES`.
-        pin_memory: page-lock the buffer (wanted when copies come from a CUDA device: DMA straight into it).
+        pinner: page-locks the buffer in the background (wanted when copies come from a CUDA device: DMA straight
+            into it); None: the buffer stays pageable.
     """
 
-    def __init__(self, size_bytes: int, pin_memory: bool = False) -> None:
+    def __init__(self, size_bytes: int, pinner: Pinner | None = None) -> None:
         self.size_bytes = align_up(size_bytes)
-        self.pinned = pin_memory
         # Over-allocate by a page and start on a page boundary: torch's CPU allocator aligns to 64 bytes only,
-        # and direct I/O needs page-aligned memory as well as page-aligned offsets.
-        raw = torch.empty(self.size_bytes + PAGE_ALIGNMENT_BYTES, dtype=torch.uint8, pin_memory=pin_memory)
+        # and direct I/O needs page-aligned memory as well as page-aligned offsets. Pageable and untouched: the
+        # kernel maps pages as they are first written, so this costs microseconds whatever the size.
+        raw = torch.empty(self.size_bytes + PAGE_ALIGNMENT_BYTES, dtype=torch.uint8)
         shift = -raw.data_ptr() % PAGE_ALIGNMENT_BYTES
         self.buffer = raw[shift : shift + self.size_bytes]
+        self._pinning = None if pinner is None else ArenaPinning(self.buffer.data_ptr(), self.size_bytes, pinner)
+        if self._pinning is not None:
+            # Unpin before the buffer's memory is freed: finalizers run before the arena's attributes are cleared.
+            weakref.finalize(self, self._pinning.release)
         self._free: list[tuple[int, int]] = [(0, self.size_bytes)]  # sorted, disjoint (offset, size) ranges
         self._used_bytes = 0
         self._peak_used_bytes = 0
+        self._waited_s = 0.0  # time allocations spent waiting for space (back-pressure), in total
         self._closed = False
         self._cond = threading.Condition()  # an RLock inside: free() may run within allocate() (reclaimed blocks)
         #: Called (with the arena's lock held) when an allocation finds no space: returns the blocks it gives back
@@ -98,10 +111,14 @@ class HostArena:
                 if self._reclaim_one():
                     continue  # something was given back: try again before waiting
                 remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and (remaining <= 0 or not self._cond.wait(remaining)):
-                    raise TimeoutError(f"no {nbytes} bytes free in the host arena after {timeout_s} s")
-                if remaining is None:
-                    self._cond.wait()
+                wait_started = time.perf_counter()
+                try:
+                    if remaining is not None and (remaining <= 0 or not self._cond.wait(remaining)):
+                        raise TimeoutError(f"no {nbytes} bytes free in the host arena after {timeout_s} s")
+                    if remaining is None:
+                        self._cond.wait()
+                finally:
+                    self._waited_s += time.perf_counter() - wait_started
 
     def free(self, block: Block) -> None:
         """Return ``block`` to the arena and wake waiting allocators."""
@@ -160,7 +177,25 @@ class HostArena:
         """A writable memoryview over the block's bytes, for ``os.pwrite`` and friends (no copy)."""
         return address_view(self.buffer.data_ptr() + block.offset, block.nbytes)
 
+    # ------------------------------------------------------------------ pinning
+    @property
+    def pinned(self) -> bool:
+        """Whether the buffer is page-locked now (False until the background pinning is done, or without a pinner)."""
+        return self._pinning is not None and self._pinning.pinned
+
+    def wait_pinned(self, timeout_s: float | None = None) -> bool:
+        """Wait until the background pinning ended (at most ``timeout_s``); whether the buffer is pinned then."""
+        if self._pinning is not None:
+            self._pinning.done.wait(timeout_s)
+        return self.pinned
+
     # ------------------------------------------------------------------ accounting
+    @property
+    def waited_s(self) -> float:
+        """Seconds allocations have spent waiting for space so far (back-pressure), in total."""
+        with self._cond:
+            return self._waited_s
+
     @property
     def used_bytes(self) -> int:
         """Bytes currently reserved."""

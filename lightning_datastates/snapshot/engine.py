@@ -32,6 +32,7 @@ import io
 import queue
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ from lightning_datastates.copy.copier import CopierSet
 from lightning_datastates.copy.loop import CopyLoop
 from lightning_datastates.copy.sharing import SharedCopies, SharingCounters
 from lightning_datastates.load.resident import ResidentCache
+from lightning_datastates.snapshot.backpressure import BackPressureWarning, describe_back_pressure
 from lightning_datastates.snapshot.job import SnapshotJob, SnapshotStats
 from lightning_datastates.snapshot.pending import PendingCheckpoints
 from lightning_datastates.snapshot.planning import LayoutPlanner, plan_lazy_copy
@@ -92,6 +94,8 @@ class SnapshotEngine:
         self._copier_wake = threading.Condition()
         self._data_path: _DataPath | None = None  # set up by the first capture
         self._layouts = LayoutPlanner(config.storage_alignment)
+        self._warned_back_pressure = False
+        self._arena_waited_s = 0.0  # the arena's total allocation wait when the last barrier looked
 
     @property
     def arena(self) -> HostArena | None:
@@ -134,9 +138,11 @@ class SnapshotEngine:
         data_path = self._open_data_path(arena_request_bytes(layout))
         may_skip = lazy is not None and not awaits_commit
         in_flight, held_bytes = self._pending.in_flight, self.held_arena_bytes
-        skip_reason = admit(layout, data_path.arena, self.config, may_skip, in_flight, held_bytes)
-        if skip_reason is not None:
-            stats = skipped_stats(path, layout, started_at, skip_reason)
+        admission = admit(layout, data_path.arena, self.config, may_skip, in_flight, held_bytes)
+        if admission.waited_s and may_skip:  # a save inside the training loop waited for storage
+            self._warn_back_pressure(admission.waited_s)
+        if admission.skip_reason is not None:
+            stats = skipped_stats(path, layout, started_at, admission.skip_reason)
             self.history.append(stats)
             self._pending.note_skipped()
             return stats
@@ -210,6 +216,9 @@ class SnapshotEngine:
         With ``attribute`` the wait is added to the newest waited-for snapshot's ``barrier_wait_s``.
         """
         self._sharing.close_window()  # the caller mutates state next: later captures may not share earlier copies
+        arena_waited_s = 0.0 if self.arena is None else self.arena.waited_s
+        copies_waited_for_space = arena_waited_s > self._arena_waited_s
+        self._arena_waited_s = arena_waited_s
         waiting = self._pending.copying()
         if not waiting:
             return 0.0
@@ -222,7 +231,17 @@ class SnapshotEngine:
         waited = time.perf_counter() - started
         if attribute:
             waiting[-1].stats.barrier_wait_s += waited  # the newest snapshot is the one training waited for
+            if copies_waited_for_space or (self.arena is not None and self.arena.waited_s > arena_waited_s):
+                self._warn_back_pressure(waited)  # the copy training waited for had waited for a flush
         return waited
+
+    def _warn_back_pressure(self, waited_s: float) -> None:
+        """Training thread: training waited for storage; say so once (snapshot/backpressure.py)."""
+        if self._warned_back_pressure or self.arena is None:
+            return
+        self._warned_back_pressure = True
+        message = describe_back_pressure(waited_s, list(self.history)[-8:], self.arena.size_bytes)
+        warnings.warn(message, BackPressureWarning, stacklevel=4)
 
     # ------------------------------------------------------------------ pending checkpoints
     def is_pending(self, path: str) -> bool:

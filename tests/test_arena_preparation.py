@@ -1,0 +1,164 @@
+"""The GPU path's host-side behaviours, on the CPU: the arena is sized to hold more than one checkpoint where memory
+allows, it is never allocated or page-locked on the training thread, and back-pressure is said once.
+
+Pinning is injected at its one seam (``copy.pinning.default_pinner``): a pinner that blocks until the test lets it
+go shows whether anything on the training thread waits for it.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import torch
+
+from lightning_datastates import DataStatesIO
+from lightning_datastates.copy import pinning, sizing
+from lightning_datastates.copy.arena import HostArena
+from lightning_datastates.snapshot.backpressure import BackPressureWarning, describe_back_pressure
+from lightning_datastates.snapshot.job import JobState, SnapshotStats
+from tests.conftest import assert_bit_equal, in_background
+
+MiB = 2**20
+GiB = 2**30
+
+
+# ------------------------------------------------------------------------------------------------ default size
+def test_default_arena_holds_two_checkpoints_when_memory_allows() -> None:
+    assert sizing.default_arena_bytes(4 * GiB, available_bytes=125 * GiB) == 2 * 4 * GiB
+
+
+def test_default_arena_is_bounded_by_half_the_available_memory() -> None:
+    assert sizing.default_arena_bytes(4 * GiB, available_bytes=10 * GiB) == 5 * GiB  # streams beyond that
+    assert sizing.default_arena_bytes(4 * GiB, available_bytes=6 * GiB) == 3 * GiB  # less than one checkpoint
+
+
+def test_default_arena_has_a_minimum_and_a_floor() -> None:
+    assert sizing.default_arena_bytes(1 * MiB, available_bytes=125 * GiB) == sizing.MIN_ARENA_BYTES
+    assert sizing.default_arena_bytes(4 * GiB, available_bytes=2 * MiB) == sizing.FLOOR_BYTES
+    assert sizing.default_arena_bytes(4 * GiB, available_bytes=None) == 8 * GiB
+
+
+def test_plugin_default_arena_follows_the_rule(tmp_path) -> None:
+    plugin = in_background(DataStatesIO())
+    checkpoint = {"w": torch.randn(12 * MiB)}  # 48 MiB of float32: two of them exceed the 64 MiB minimum
+    plugin.save_checkpoint(checkpoint, str(tmp_path / "a.ckpt"))
+    plugin.drain()
+    arena = plugin.engine.arena
+    assert arena is not None and arena.size_bytes >= 2 * 48 * MiB
+    plugin.teardown()
+
+
+# ------------------------------------------------------------------------------------------------ pinning
+class BlockingPinner:
+    """Pins nothing; records the thread it runs on and holds until ``release`` is set (or 20 s pass)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        self.threads: list[str] = []
+        self.timed_out = False
+        self.unpinned: list[int] = []
+
+    def pin(self, address: int, nbytes: int) -> None:
+        self.threads.append(threading.current_thread().name)
+        self.entered.set()
+        self.timed_out = not self.release.wait(20)
+
+    def unpin(self, address: int) -> None:
+        self.unpinned.append(address)
+
+
+def test_arena_is_pinned_off_the_calling_thread_and_usable_before() -> None:
+    pinner = BlockingPinner()
+    arena = HostArena(4 * MiB, pinner=pinner)  # returns although the pinner blocks
+    assert pinner.entered.wait(10)
+    block = arena.allocate(MiB)  # the arena works, pageable, while the pinning goes on
+    arena.tensor(block).fill_(7)
+    assert not arena.pinned
+    pinner.release.set()
+    assert arena.wait_pinned(10)
+    assert pinner.threads == ["datastates-arena-pin"] and not pinner.timed_out
+    address = arena.buffer.data_ptr()
+    del arena  # the finalizer unpins before the memory goes
+    assert pinner.unpinned == [address]
+
+
+def test_training_never_waits_for_pinning(tmp_path, monkeypatch) -> None:
+    pinner = BlockingPinner()
+    monkeypatch.setattr(pinning, "default_pinner", lambda: pinner)
+    plugin = in_background(DataStatesIO(host_cache="32MiB"), lazy=True)
+    checkpoint = {"w": torch.randn(MiB), "step": torch.tensor(3)}
+    expected = {k: v.clone() for k, v in checkpoint.items()}
+    path = str(tmp_path / "a.ckpt")
+    plugin.save_checkpoint(checkpoint, path)  # would block here if the arena were pinned on this thread
+    plugin.barrier()  # ...or here, if the copy waited for the pinning
+    checkpoint["w"].add_(1)  # training goes on
+    plugin.drain()
+    assert pinner.entered.is_set() and not pinner.release.is_set()  # all of the above ran while pinning held
+    pinner.release.set()
+    assert_bit_equal(torch.load(path, weights_only=True), expected)
+    assert threading.main_thread().name not in pinner.threads and not pinner.timed_out
+    plugin.teardown()
+
+
+def test_failed_pinning_leaves_a_pageable_arena(caplog) -> None:
+    class RefusingPinner(BlockingPinner):
+        def pin(self, address: int, nbytes: int) -> None:
+            raise OSError("cudaHostRegister failed (injected)")
+
+    arena = HostArena(MiB, pinner=RefusingPinner())
+    assert not arena.wait_pinned(10)
+    assert "could not page-lock the host arena" in caplog.text
+    arena.allocate(1024)
+
+
+# ------------------------------------------------------------------------------------------------ back-pressure
+def _back_pressured_saves(tmp_path, gated_writer, count: int) -> list[warnings.WarningMessage]:
+    """``count`` saves of 4 MiB into a 1 MiB arena while storage is stalled for a moment: every copy waits for a
+    flush, and the barrier after each save waits for the copy."""
+    plugin = in_background(DataStatesIO(host_cache="1MiB", chunk_size="256KiB"), lazy=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(count):
+            gated_writer.gate.clear()
+            threading.Timer(0.2, gated_writer.gate.set).start()
+            checkpoint = {"w": torch.full((MiB,), float(i))}
+            plugin.save_checkpoint(checkpoint, str(tmp_path / f"c{i}.ckpt"))
+            assert plugin.barrier() > 0  # training waited: the copy needed space held by the stalled flush
+        plugin.drain()
+    plugin.teardown()
+    for i in range(count):
+        assert_bit_equal(torch.load(tmp_path / f"c{i}.ckpt", weights_only=True), {"w": torch.full((MiB,), float(i))})
+    return [w for w in caught if issubclass(w.category, BackPressureWarning)]
+
+
+def test_back_pressure_is_warned_once_with_the_fixes(tmp_path, gated_writer) -> None:
+    warned = _back_pressured_saves(tmp_path, gated_writer, count=3)
+    assert len(warned) == 1
+    message = str(warned[0].message)
+    for fact in ("back-pressure", "host arena", "host_cache", "less often", "faster storage"):
+        assert fact in message
+
+
+def test_no_back_pressure_warning_when_storage_keeps_up(tmp_path) -> None:
+    plugin = in_background(DataStatesIO(host_cache="64MiB"), lazy=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(3):
+            plugin.save_checkpoint({"w": torch.full((MiB,), float(i))}, str(tmp_path / f"c{i}.ckpt"))
+            plugin.drain()  # storage is done before the next barrier
+            plugin.barrier()
+    plugin.teardown()
+    assert not [w for w in caught if issubclass(w.category, BackPressureWarning)]
+
+
+def test_back_pressure_message_names_the_measured_figures() -> None:
+    recent = [
+        SnapshotStats("a", 4 * 10**9, 4 * 10**9, started_at=float(t), durable_s=4.0, state=JobState.COMMITTED.value)
+        for t in (0, 1.25, 2.5)
+    ]
+    message = describe_back_pressure(1.5, recent, arena_bytes=8 * 10**9)
+    assert "waited 1.50 s" in message
+    assert "checkpoints of 4.00 GB" in message and "saved every 1.25 s" in message
+    assert "flushed at 1.00 GB/s (4.00 s each)" in message and "(2.0 checkpoint(s))" in message
