@@ -36,9 +36,12 @@ def _make_model(model: str) -> GPT:
 
 
 def _trainer(steps: int, callbacks: list[Callback], plugin: Any | None, accelerator: str) -> L.Trainer:
+    on_gpu = torch.cuda.is_available() and accelerator in ("auto", "gpu", "cuda")
     return L.Trainer(
         accelerator=accelerator,
         devices=1,
+        # On a GPU as LLMs train there (fp32 weights and Adam moments in the checkpoint either way).
+        precision="bf16-mixed" if on_gpu else "32-true",
         max_steps=steps,
         logger=False,
         enable_progress_bar=False,
