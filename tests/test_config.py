@@ -259,3 +259,14 @@ def test_used_plugin_pickles_without_its_engine_and_the_copy_works(tmp_path) -> 
         assert torch.equal(clone.load_checkpoint(tmp_path / "b.ckpt")["w"], torch.ones(3))
     finally:
         clone.teardown()
+
+
+def test_plugin_keeps_one_writer_per_protocol_and_pickles_without_them(tmp_path) -> None:
+    plugin = DataStatesIO()
+    local = plugin._writer(str(tmp_path / "a.ckpt"))
+    assert plugin._writer(str(tmp_path / "sub" / "b.ckpt")) is local
+    assert plugin._writer(f"file://{tmp_path}/c.ckpt") is local  # a file:// URL is a local path too
+    memory = plugin._writer("memory://run/a.ckpt")
+    assert plugin._writer("memory://other/b.ckpt") is memory and memory is not local
+    clone = pickle.loads(pickle.dumps(plugin))
+    assert clone._writers == {} and plugin._writer(str(tmp_path / "d.ckpt")) is local
