@@ -2,9 +2,9 @@
 
 A snapshot's tensors are copied while training goes on, so training must wait wherever the saved state could
 change next. This callback waits (a *barrier*) in ``on_before_optimizer_step`` and at the rarer points where
-Lightning or other callbacks mutate state (epoch start, validation start, train end; see ../shared/DESIGN.md
-5.2), and nowhere else: not at epoch or validation end, where nothing mutates the saved state before the next
-of those points. It raises background write failures on the training thread at the next hook, and
+Lightning or other callbacks mutate state (epoch start, validation start, train end; see ``docs/design.md``,
+"Where training waits"), and nowhere else: not at epoch or validation end, where nothing mutates the saved state
+before the next of those points. It raises background write failures on the training thread at the next hook, and
 drains every pending write at the end of fit and on exceptions.
 
 It is added to every Trainer through the ``lightning.pytorch.callbacks_factory`` entry point, does nothing
@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import logging
 import sys
-import types
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 
+from lightning_datastates.compat.lightning import override_file_exists, restore_file_exists, unwrap_checkpoint_io
+from lightning_datastates.compat.torch import storage_identity
 from lightning_datastates.metrics import CheckpointMetrics
 from lightning_datastates.plugin import DataStatesIO
 from lightning_datastates.progress import drain_with_progress
@@ -36,7 +36,8 @@ log = logging.getLogger("lightning_datastates")
 class DataStatesCallback(Callback):
     """Barriers, failure reporting and draining for :class:`~lightning_datastates.DataStatesIO`.
 
-    Users need not pass it: it is registered through an entry point. Passing it explicitly is harmless.
+    Users need not pass it: it is registered through an entry point. Passing it explicitly is harmless. It is the
+    plugin's :class:`~lightning_datastates.plugin.PluginOwner`.
     """
 
     def __init__(self) -> None:
@@ -75,7 +76,7 @@ class DataStatesCallback(Callback):
         if self._plugin is None:
             return
         for checkpoint_callback in self._patched:
-            checkpoint_callback.__dict__.pop("file_exists", None)
+            restore_file_exists(checkpoint_callback)
         self._patched = []
         self._armed = False
         self._plugin.detach(self)
@@ -98,13 +99,13 @@ class DataStatesCallback(Callback):
             return None
         if not trainer.lightning_module.automatic_optimization:
             return None  # manual optimization may step an optimizer that fires no hook
-        safe: set[int] = {p.untyped_storage()._cdata for p in trainer.lightning_module.parameters()}
+        safe = {storage_identity(p.untyped_storage()) for p in trainer.lightning_module.parameters()}
         for optimizer in trainer.optimizers:
             for state in optimizer.state.values():
                 for value in state.values():
                     if isinstance(value, torch.Tensor):
-                        safe.add(value.untyped_storage()._cdata)
-        return lambda storage: storage._cdata in safe
+                        safe.add(storage_identity(value.untyped_storage()))
+        return lambda storage: storage_identity(storage) in safe
 
     # ------------------------------------------------------------------ barriers
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -180,20 +181,13 @@ class DataStatesCallback(Callback):
         flight must count, and one whose removal waits for newer checkpoints to land must not, or names would
         differ from a synchronous run.
         """
-
-        def file_exists(callback: ModelCheckpoint, filepath: Any, trainer: Trainer) -> bool:
-            local = bool(trainer.is_global_zero and plugin.counts_as_existing(filepath, callback._fs.exists(filepath)))
-            return trainer.strategy.reduce_boolean_decision(local, all=False)
-
-        checkpoint_callback.file_exists = types.MethodType(file_exists, checkpoint_callback)  # type: ignore[method-assign]
+        override_file_exists(checkpoint_callback, plugin.counts_as_existing)
         self._patched.append(checkpoint_callback)
 
 
 def find_plugin(trainer: Trainer) -> DataStatesIO | None:
     """The trainer's ``DataStatesIO``, looking through wrapping CheckpointIOs; None if it has none."""
-    checkpoint_io: Any = getattr(trainer.strategy, "checkpoint_io", None)
-    while isinstance(checkpoint_io, _WrappingCheckpointIO):
-        checkpoint_io = checkpoint_io.checkpoint_io
+    checkpoint_io = unwrap_checkpoint_io(getattr(trainer.strategy, "checkpoint_io", None))
     return checkpoint_io if isinstance(checkpoint_io, DataStatesIO) else None
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from decimal import Decimal
 from typing import Any, Literal, get_args
 
@@ -24,8 +24,6 @@ ArenaFullPolicy = Literal["wait", "skip"]
 #: file systems and through the page cache elsewhere, quietly; True: direct I/O wherever accepted, with a warning
 #: where refused; False: page cache.
 DirectIO = bool | Literal["auto"]
-#: Default of ``stale_after_s``: leftovers whose writer cannot be asked are removed once an hour old.
-DEFAULT_STALE_AFTER_S = 3600.0
 
 _UNITS = {
     "": 1,
@@ -79,61 +77,59 @@ def parse_size(value: Size, name: str) -> int:
 
 @dataclass(frozen=True)
 class DataStatesConfig:
-    """Validated settings; see :class:`~lightning_datastates.DataStatesIO` for what each one means."""
+    """Validated settings; see :class:`~lightning_datastates.DataStatesIO` for what each one means.
 
-    host_cache_bytes: int | None
-    writer_threads: int
-    chunk_bytes: int
-    eager_copy_bytes: int
+    The fields are ``DataStatesIO``'s parameters, with its names, in its order and with its defaults (each size as
+    bytes), plus ``write_through``; ``tests/test_config.py`` keeps the two in step. The constructor takes the
+    values as a user gives them (sizes as ints or strings such as ``"8GiB"``, in Python or yaml), checks each one
+    and raises :class:`~lightning_datastates.errors.ConfigError` naming the setting and the fix; once built, every
+    size holds its bytes as an int.
+    """
+
+    host_cache: int | None = None
+    writer_threads: int = 4
+    chunk_size: int = 64 * 1024**2
+    eager_copy_size: int = 64 * 1024
     storage_options: dict[str, Any] | None = None
-    # Fault policies (validated by _check_fault_policies).
+    verify_checksums: bool = True
     on_flush_error: FlushErrorPolicy = "raise"
     on_arena_full: ArenaFullPolicy = "wait"
-    stale_after_s: float = DEFAULT_STALE_AFTER_S
-    verify_checksums: bool = True
+    # storage.base.DEFAULT_STALE_AGE_S, which DataStatesIO's signature names; this module cannot import it while the
+    # storage package imports this one (tests/test_config.py checks that the two defaults agree).
+    stale_after_s: float = 3600.0
     storage_alignment: int | None = None
     serve_from_memory: bool = True
     direct_io: DirectIO = "auto"
     # Not a user setting: lazy chunks of host tensors are written straight from them when the storage takes writes
     # at memory speed (write/through.py). Tests turn it off to exercise the arena path on the CPU.
-    write_through: bool = True
+    write_through: bool = field(default=True, metadata={"user_setting": False})
 
-    @classmethod
-    def from_user(
-        cls,
-        host_cache: Size | None,
-        writer_threads: int,
-        chunk_size: Size,
-        eager_copy_size: Size,
-        storage_options: dict[str, Any] | None = None,
-        on_flush_error: FlushErrorPolicy = "raise",
-        on_arena_full: ArenaFullPolicy = "wait",
-        stale_after_s: float = DEFAULT_STALE_AFTER_S,
-        verify_checksums: bool = True,
-        storage_alignment: Size | None = None,
-        serve_from_memory: bool = True,
-        direct_io: DirectIO = "auto",
-    ) -> DataStatesConfig:
-        """Validate user-facing arguments (as given to the constructor or in yaml)."""
+    def __post_init__(self) -> None:
+        """Check every value as given (by the constructor, yaml, or ``dataclasses.replace``); sizes become bytes."""
+        host_cache: Size | None = self.host_cache
         host_cache_bytes = None if host_cache is None else parse_size(host_cache, "host_cache")
+        writer_threads = self.writer_threads
         if isinstance(writer_threads, bool) or not isinstance(writer_threads, int) or not 1 <= writer_threads <= 256:
             raise ConfigError(f"writer_threads must be an int from 1 to 256, got {writer_threads!r}")
-        chunk_bytes = parse_size(chunk_size, "chunk_size")
+        chunk_bytes = parse_size(self.chunk_size, "chunk_size")
         if host_cache_bytes is not None and host_cache_bytes < 1024**2:
             raise ConfigError(f"host_cache={host_cache!r} is below 1MiB; give at least '64MiB', or None for automatic")
-        eager_copy_bytes = parse_size(eager_copy_size, "eager_copy_size")
+        eager_copy_bytes = parse_size(self.eager_copy_size, "eager_copy_size")
+        storage_options = self.storage_options
         if storage_options is not None and not isinstance(storage_options, dict):
             raise ConfigError(f"storage_options must be a dict of fsspec options, got {type(storage_options).__name__}")
-        if not isinstance(verify_checksums, bool):
-            raise ConfigError(f"verify_checksums must be True or False, got {verify_checksums!r}")
-        if not isinstance(serve_from_memory, bool):
-            raise ConfigError(f"serve_from_memory must be True or False, got {serve_from_memory!r}")
+        if not isinstance(self.verify_checksums, bool):
+            raise ConfigError(f"verify_checksums must be True or False, got {self.verify_checksums!r}")
+        if not isinstance(self.serve_from_memory, bool):
+            raise ConfigError(f"serve_from_memory must be True or False, got {self.serve_from_memory!r}")
+        direct_io = self.direct_io
         if not (isinstance(direct_io, bool) or direct_io == "auto"):
             raise ConfigError(
                 f"direct_io must be 'auto' (direct I/O for local files where the file system supports it), True (the "
                 f"same, warning where it does not) or False (always the page cache), got {direct_io!r}"
             )
-        _check_fault_policies(on_flush_error, on_arena_full, stale_after_s)
+        _check_fault_policies(self.on_flush_error, self.on_arena_full, self.stale_after_s)
+        storage_alignment: Size | None = self.storage_alignment
         alignment = None if storage_alignment is None else parse_size(storage_alignment, "storage_alignment")
         if alignment is not None and not (alignment & (alignment - 1) == 0 and 64 <= alignment <= MAX_ALIGNMENT):
             raise ConfigError(
@@ -141,27 +137,36 @@ class DataStatesConfig:
                 "its own disk blocks), "
                 f"or None; got {storage_alignment!r}"
             )
-        return cls(
-            host_cache_bytes,
-            writer_threads,
-            chunk_bytes,
-            eager_copy_bytes,
-            storage_options,
-            on_flush_error=on_flush_error,
-            on_arena_full=on_arena_full,
-            stale_after_s=float(stale_after_s),
-            verify_checksums=verify_checksums,
-            storage_alignment=alignment,
-            serve_from_memory=serve_from_memory,
-            direct_io=direct_io,
-        )
+        # Frozen: the normalised values are set the way dataclasses set fields of frozen instances.
+        for name, value in (
+            ("host_cache", host_cache_bytes),
+            ("chunk_size", chunk_bytes),
+            ("eager_copy_size", eager_copy_bytes),
+            ("stale_after_s", float(self.stale_after_s)),
+            ("storage_alignment", alignment),
+        ):
+            object.__setattr__(self, name, value)
+
+    @property
+    def chunk_bytes(self) -> int:
+        """``chunk_size`` (bytes), as the engine reads it."""
+        return self.chunk_size
+
+    @property
+    def eager_copy_bytes(self) -> int:
+        """``eager_copy_size`` (bytes), as the engine reads it."""
+        return self.eager_copy_size
 
     def arena_bytes_for(self, payload_bytes: int) -> int:
         """Arena size: the user's ``host_cache``, or the default rule of :mod:`~lightning_datastates.copy.sizing`
         (two checkpoints, at most half the available memory)."""
-        if self.host_cache_bytes is not None:
-            return self.host_cache_bytes
+        if self.host_cache is not None:
+            return self.host_cache
         return sizing.default_arena_bytes(payload_bytes, sizing.available_memory_bytes())
+
+
+#: The fields that are ``DataStatesIO`` parameters, in its order: every field but ``write_through``.
+USER_SETTINGS: tuple[str, ...] = tuple(f.name for f in fields(DataStatesConfig) if f.metadata.get("user_setting", True))
 
 
 def _check_fault_policies(on_flush_error: Any, on_arena_full: Any, stale_after_s: Any) -> None:

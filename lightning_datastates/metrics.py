@@ -34,6 +34,7 @@ import torch
 from lightning.pytorch import Trainer
 from torchmetrics import MaxMetric, MeanMetric, Metric, SumMetric
 
+from lightning_datastates.compat.lightning import logging_step
 from lightning_datastates.snapshot.job import JobState, SnapshotStats
 
 if TYPE_CHECKING:
@@ -111,7 +112,7 @@ class CheckpointMetrics:
         self._watched.extend(_Watched(stats) for stats in reversed(new))
         if not self._watched:
             return
-        occupancy = _arena_occupancy(plugin)
+        occupancy = plugin.arena_occupancy()
         finished: list[_Watched] = []
         for watched in self._watched:
             if occupancy is not None:
@@ -198,17 +199,9 @@ def _log(trainer: Trainer, values: dict[str, float]) -> None:
     """Send ``values`` to every logger of the Trainer, at the step ``self.log`` uses (as LearningRateMonitor)."""
     if not trainer.loggers:
         return
-    step = trainer.fit_loop.epoch_loop._batches_that_stepped
+    step = logging_step(trainer)
     for logger in trainer.loggers:
         logger.log_metrics(values, step=step)
-
-
-def _arena_occupancy(plugin: DataStatesIO) -> float | None:
-    arena = plugin.engine.arena if plugin.stats else None
-    if arena is None or arena.size_bytes == 0:
-        return None
-    # Retained checkpoints (serve_from_memory) give their space up to any new copy: they are spare room, not load.
-    return plugin.engine.held_arena_bytes() / arena.size_bytes
 
 
 def _human_bytes(nbytes: float) -> str:

@@ -12,14 +12,15 @@ import logging
 import os
 import re
 import time
-from typing import IO, TYPE_CHECKING, Any, cast
+from typing import IO, Any, Protocol, cast
 
 import torch
-from lightning.fabric.utilities.types import _PATH
+from fsspec.core import split_protocol
 from lightning.pytorch.plugins.io import CheckpointIO
 
+from lightning_datastates.compat.lightning import CheckpointPath
 from lightning_datastates.config import (
-    DEFAULT_STALE_AFTER_S,
+    USER_SETTINGS,
     ArenaFullPolicy,
     DataStatesConfig,
     DirectIO,
@@ -29,14 +30,27 @@ from lightning_datastates.config import (
 from lightning_datastates.errors import CheckpointFlushError
 from lightning_datastates.interrupts import sigint_deferred
 from lightning_datastates.load.reader import load_checkpoint
-from lightning_datastates.snapshot.engine import SnapshotEngine
+from lightning_datastates.snapshot.engine import LazyPredicate, SnapshotEngine
 from lightning_datastates.snapshot.job import SnapshotStats
-from lightning_datastates.storage import StorageWriter, writer_for
-
-if TYPE_CHECKING:
-    from lightning_datastates.callback import DataStatesCallback
+from lightning_datastates.storage import StorageWriter, is_local_path, writer_for
+from lightning_datastates.storage.base import DEFAULT_STALE_AGE_S
 
 log = logging.getLogger("lightning_datastates")
+
+
+class PluginOwner(Protocol):
+    """What the plugin asks of the callback that drives its barriers (``DataStatesCallback``).
+
+    The callback implements this and imports the plugin; the plugin knows only this interface. Both members are
+    read on the training thread, inside ``save_checkpoint``.
+    """
+
+    @property
+    def in_training_loop(self) -> bool:
+        """Whether fit's training loop runs, so that a barrier and the final drain are sure to follow a save."""
+
+    def lazy_predicate(self) -> LazyPredicate | None:
+        """Which storages may be copied after ``save_checkpoint`` returns; None when all must be copied in it."""
 
 
 class DataStatesIO(CheckpointIO):
@@ -105,32 +119,26 @@ class DataStatesIO(CheckpointIO):
         verify_checksums: bool = True,
         on_flush_error: FlushErrorPolicy = "raise",
         on_arena_full: ArenaFullPolicy = "wait",
-        stale_after_s: float = DEFAULT_STALE_AFTER_S,
+        stale_after_s: float = DEFAULT_STALE_AGE_S,
         storage_alignment: Size | None = None,
         serve_from_memory: bool = True,
         direct_io: DirectIO = "auto",
     ) -> None:
+        # Every parameter is the DataStatesConfig field of the same name (tests/test_config.py checks): handed over by
+        # name, so that the settings are spelled in two places only, this signature and the config's fields.
+        settings = {name: value for name, value in locals().items() if name in USER_SETTINGS}
         super().__init__()
-        self.config = DataStatesConfig.from_user(
-            host_cache,
-            writer_threads,
-            chunk_size,
-            eager_copy_size,
-            storage_options,
-            on_flush_error=on_flush_error,
-            on_arena_full=on_arena_full,
-            stale_after_s=stale_after_s,
-            verify_checksums=verify_checksums,
-            storage_alignment=storage_alignment,
-            serve_from_memory=serve_from_memory,
-            direct_io=direct_io,
-        )
+        self.config = DataStatesConfig(**settings)
         self._engine: SnapshotEngine | None = None
-        self._owner: DataStatesCallback | None = None
+        self._owner: PluginOwner | None = None
         self._cleaned_directories: set[str] = set()
+        # One storage writer per protocol ("" for local paths), built on first use; on the training thread only.
+        self._writers: dict[str, StorageWriter] = {}
 
     # ------------------------------------------------------------------ CheckpointIO
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: CheckpointPath, storage_options: Any | None = None
+    ) -> None:
         """Snapshot ``checkpoint`` and return; it reaches ``path`` in the background.
 
         Raises:
@@ -171,7 +179,7 @@ class DataStatesIO(CheckpointIO):
         stats.save_call_s = time.perf_counter() - started
 
     def load_checkpoint(
-        self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
+        self, path: CheckpointPath, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
         """Load ``path`` once any pending write of it has landed; ``map_location`` and ``weights_only`` as torch.
 
@@ -198,7 +206,7 @@ class DataStatesIO(CheckpointIO):
             verify_checksums=self.config.verify_checksums,
         )
 
-    def remove_checkpoint(self, path: _PATH) -> None:
+    def remove_checkpoint(self, path: CheckpointPath) -> None:
         """Drop a pending write of ``path`` (or let a commit in progress end), then delete the file.
 
         The deletion waits (in the background) until every checkpoint saved before this call is committed, and
@@ -212,7 +220,7 @@ class DataStatesIO(CheckpointIO):
             return
         self._engine.remove_after_pending(path, lambda: writer.remove(path))
 
-    def counts_as_existing(self, path: _PATH, exists: bool) -> bool:
+    def counts_as_existing(self, path: CheckpointPath, exists: bool) -> bool:
         """Whether ModelCheckpoint should see ``path`` as existing, as after a synchronous save or removal."""
         path = _path_str(path)
         if self._engine is None:
@@ -258,7 +266,7 @@ class DataStatesIO(CheckpointIO):
         if self._engine is not None:
             self._engine.drain()
 
-    def is_pending(self, path: _PATH) -> bool:
+    def is_pending(self, path: CheckpointPath) -> bool:
         """Whether ``path`` has a checkpoint that is saved but not yet on storage."""
         return self._engine is not None and self._engine.is_pending(_path_str(path))
 
@@ -284,25 +292,41 @@ class DataStatesIO(CheckpointIO):
             log.info("lightning_datastates: removed %d stale temporary file(s) in %s", len(removed), directory)
         return removed
 
-    def attach(self, owner: DataStatesCallback) -> bool:
+    def arena_occupancy(self) -> float | None:
+        """The fraction of the host arena that pending checkpoints hold; None before the first checkpoint sized it.
+
+        Checkpoints kept for loading from memory (``serve_from_memory``) do not count: any new copy evicts them.
+        """
+        engine = self._engine
+        if engine is None or engine.arena is None or engine.arena.size_bytes == 0:
+            return None
+        return engine.held_arena_bytes() / engine.arena.size_bytes
+
+    def attach(self, owner: PluginOwner) -> bool:
         """Let ``owner`` drive this plugin's barriers; False if another callback already does."""
         if self._owner is not None and self._owner is not owner:
             return False
         self._owner = owner
         return True
 
-    def detach(self, owner: DataStatesCallback) -> None:
+    def detach(self, owner: PluginOwner) -> None:
         """Undo :meth:`attach`."""
         if self._owner is owner:
             self._owner = None
 
     def _writer(self, path: str) -> StorageWriter:
-        return writer_for(path, self.config.storage_options, direct_io=self.config.direct_io)
+        """The storage writer for ``path``'s protocol, built once per protocol and kept (on the training thread)."""
+        protocol = "" if is_local_path(path) else split_protocol(path)[0] or ""
+        writer = self._writers.get(protocol)
+        if writer is None:
+            writer = writer_for(path, self.config.storage_options, direct_io=self.config.direct_io)
+            self._writers[protocol] = writer
+        return writer
 
     # ------------------------------------------------------------------ pickling (ddp_spawn, LightningCLI)
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_engine=None, _owner=None, _cleaned_directories=set())
+        state.update(_engine=None, _owner=None, _cleaned_directories=set(), _writers={})
         return state
 
 
@@ -310,7 +334,7 @@ def _every_storage(storage: Any) -> bool:
     return True
 
 
-def _path_str(path: _PATH) -> str:
+def _path_str(path: CheckpointPath) -> str:
     text = os.fspath(path)
     # pathlib collapses "s3://bucket/key" into "s3:/bucket/key" (FSDP and ModelParallel pass Paths): restore it.
     return _COLLAPSED_URL.sub(r"\1://", text) if not isinstance(path, str) else text

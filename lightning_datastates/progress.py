@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
-from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 
+from lightning_datastates.compat.lightning import Tqdm
 from lightning_datastates.snapshot.job import SnapshotStats
 
 if TYPE_CHECKING:

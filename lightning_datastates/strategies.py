@@ -4,8 +4,8 @@
 single device, and FSDP / ModelParallel in full-state mode, which pass a ``pathlib.Path``). Sharded FSDP,
 ModelParallel with distributed checkpoints and DeepSpeed write their own directories instead
 (``torch.distributed.checkpoint`` or DeepSpeed's engine), so the plugin never sees those saves; they still send
-``remove_checkpoint`` for the directories, which the plugin's writers delete recursively. See
-../shared/DESIGN.md 5.1.
+``remove_checkpoint`` for the directories, which the plugin's writers delete recursively. See ``docs/design.md``,
+"Lightning facts".
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from typing import Any
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_datastates.compat.lightning import fsdp_state_dict_type, saves_distributed_checkpoint
+
 
 class PluginBypassedWarning(UserWarning):
     """The Trainer's strategy saves checkpoints without its ``CheckpointIO``: ``DataStatesIO`` is not used for them."""
@@ -22,12 +24,12 @@ class PluginBypassedWarning(UserWarning):
 
 def bypass_reason(strategy: Any) -> str | None:
     """Why ``strategy`` writes checkpoint files without calling its ``CheckpointIO``; None if it calls it."""
-    if isinstance(strategy, FSDPStrategy) and getattr(strategy, "_state_dict_type", "full") != "full":
+    if isinstance(strategy, FSDPStrategy) and fsdp_state_dict_type(strategy) != "full":
         return (
             "FSDPStrategy(state_dict_type='sharded') writes each checkpoint as a directory with "
             "torch.distributed.checkpoint (for single files that DataStatesIO writes: state_dict_type='full')"
         )
-    if isinstance(strategy, ModelParallelStrategy) and getattr(strategy, "_save_distributed_checkpoint", True):
+    if isinstance(strategy, ModelParallelStrategy) and saves_distributed_checkpoint(strategy):
         return (
             "ModelParallelStrategy(save_distributed_checkpoint=True) writes each checkpoint as a directory with "
             "torch.distributed.checkpoint (for single files, which DataStatesIO writes: "

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import pickle
 
 import pytest
 import torch
 
 from lightning_datastates import ConfigError, DataStatesIO
-from lightning_datastates.config import DataStatesConfig, parse_size
+from lightning_datastates.config import USER_SETTINGS, DataStatesConfig, parse_size
 from lightning_datastates.errors import DataStatesError
 
 KiB, MiB, GiB, TiB = 1024, 1024**2, 1024**3, 1024**4
@@ -80,21 +81,19 @@ def test_parse_size_huge_number_is_a_config_error() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- DataStatesConfig
-def test_from_user_converts_every_size() -> None:
-    config = DataStatesConfig.from_user("2GiB", 8, "16MiB", 1024)
-    assert config == DataStatesConfig(
-        host_cache_bytes=2 * GiB, writer_threads=8, chunk_bytes=16 * MiB, eager_copy_bytes=1024
-    )
+def test_config_converts_every_size() -> None:
+    config = DataStatesConfig("2GiB", 8, "16MiB", 1024)
+    assert config == DataStatesConfig(host_cache=2 * GiB, writer_threads=8, chunk_size=16 * MiB, eager_copy_size=1024)
 
 
-def test_from_user_host_cache_none_means_automatic() -> None:
-    config = DataStatesConfig.from_user(None, 1, "64MiB", "64KiB")
-    assert config.host_cache_bytes is None
+def test_config_host_cache_none_means_automatic() -> None:
+    config = DataStatesConfig(None, 1, "64MiB", "64KiB")
+    assert config.host_cache is None
     assert config.arena_bytes_for(10 * MiB) >= 16 * MiB  # automatic sizing gives a usable arena
 
 
 def test_arena_bytes_for_uses_the_user_budget() -> None:
-    config = DataStatesConfig.from_user("8MiB", 1, "1MiB", "1KiB")
+    config = DataStatesConfig("8MiB", 1, "1MiB", "1KiB")
     assert config.arena_bytes_for(100 * GiB) == 8 * MiB  # never more than the user's budget
 
 
@@ -120,24 +119,82 @@ def test_arena_bytes_for_uses_the_user_budget() -> None:
         ({"eager_copy_size": None}, "eager_copy_size"),
     ],
 )
-def test_from_user_errors_name_the_argument(kwargs, name) -> None:
+def test_config_errors_name_the_argument(kwargs, name) -> None:
     arguments = {"host_cache": None, "writer_threads": 4, "chunk_size": "64MiB", "eager_copy_size": "64KiB", **kwargs}
     with pytest.raises(ConfigError) as info:
-        DataStatesConfig.from_user(**arguments)
+        DataStatesConfig(**arguments)
     assert name in str(info.value)
     other_names = {"host_cache", "writer_threads", "chunk_size", "eager_copy_size"} - {name}
     assert not any(other in str(info.value) for other in other_names), "the message blames another argument"
 
 
-def test_from_user_accepts_the_bounds() -> None:
-    assert DataStatesConfig.from_user("1MiB", 1, 1, 1).writer_threads == 1
-    assert DataStatesConfig.from_user(MiB, 256, "1", "1").writer_threads == 256
+def test_config_accepts_the_bounds() -> None:
+    assert DataStatesConfig("1MiB", 1, 1, 1).writer_threads == 1
+    assert DataStatesConfig(MiB, 256, "1", "1").writer_threads == 256
 
 
 def test_config_is_frozen() -> None:
-    config = DataStatesConfig.from_user(None, 4, "64MiB", "64KiB")
+    config = DataStatesConfig(None, 4, "64MiB", "64KiB")
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.writer_threads = 8  # type: ignore[misc]
+
+
+def test_replace_keeps_every_value_and_checks_again() -> None:
+    config = DataStatesConfig("2GiB", 8, "16MiB", "1KiB", storage_alignment="4KiB", stale_after_s=10)
+    replaced = dataclasses.replace(config, write_through=False)
+    assert dataclasses.replace(replaced, write_through=True) == config
+    with pytest.raises(ConfigError, match="chunk_size"):
+        dataclasses.replace(config, chunk_size="lots")
+
+
+# ---------------------------------------------------------------------------------------------------- one spelling
+def test_plugin_parameters_and_config_fields_cannot_drift() -> None:
+    """DataStatesIO's signature (what LightningCLI reads) and DataStatesConfig's fields are the two places where the
+    settings are spelled: the same names in the same order, the same defaults, and the same annotations, except that
+    the config holds each size (``Size``, an int or a string with a unit) as its bytes (``int``)."""
+    parameters = list(inspect.signature(DataStatesIO.__init__).parameters.values())[1:]  # without self
+    fields = {field.name: field for field in dataclasses.fields(DataStatesConfig)}
+    assert [p.name for p in parameters] == list(USER_SETTINGS) == [name for name in fields if name != "write_through"]
+    for parameter in parameters:
+        field = fields[parameter.name]
+        assert parameter.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD, parameter
+        assert isinstance(parameter.annotation, str) and isinstance(field.type, str)  # postponed annotations
+        if "Size" in parameter.annotation:
+            assert field.type == parameter.annotation.replace("Size", "int"), parameter.name
+            expected = None if parameter.default is None else parse_size(parameter.default, parameter.name)
+            assert field.default == expected, parameter.name
+        else:
+            assert field.type == parameter.annotation, parameter.name
+            assert field.default == parameter.default, parameter.name
+    assert DataStatesIO().config == DataStatesConfig()
+
+
+def test_every_setting_is_documented_and_reaches_the_config() -> None:
+    doc = DataStatesIO.__doc__ or ""
+    for name in USER_SETTINGS:
+        assert f"\n        {name}: " in doc, f"DataStatesIO's docstring does not describe {name}"
+    given = {
+        "host_cache": "2MiB",
+        "writer_threads": 3,
+        "chunk_size": "1MiB",
+        "eager_copy_size": 512,
+        "storage_options": {"key": "k"},
+        "verify_checksums": False,
+        "on_flush_error": "warn",
+        "on_arena_full": "skip",
+        "stale_after_s": 5,
+        "storage_alignment": "4KiB",
+        "serve_from_memory": False,
+        "direct_io": True,
+    }
+    assert sorted(given) == sorted(USER_SETTINGS)
+    config = DataStatesIO(**given).config
+    assert config == DataStatesConfig(**given)
+    assert all(
+        getattr(config, name) != field.default
+        for name, field in DataStatesConfig.__dataclass_fields__.items()
+        if name in USER_SETTINGS
+    ), "a setting did not reach the config"
 
 
 # ---------------------------------------------------------------------------------------------------- DataStatesIO
@@ -202,3 +259,14 @@ def test_used_plugin_pickles_without_its_engine_and_the_copy_works(tmp_path) -> 
         assert torch.equal(clone.load_checkpoint(tmp_path / "b.ckpt")["w"], torch.ones(3))
     finally:
         clone.teardown()
+
+
+def test_plugin_keeps_one_writer_per_protocol_and_pickles_without_them(tmp_path) -> None:
+    plugin = DataStatesIO()
+    local = plugin._writer(str(tmp_path / "a.ckpt"))
+    assert plugin._writer(str(tmp_path / "sub" / "b.ckpt")) is local
+    assert plugin._writer(f"file://{tmp_path}/c.ckpt") is local  # a file:// URL is a local path too
+    memory = plugin._writer("memory://run/a.ckpt")
+    assert plugin._writer("memory://other/b.ckpt") is memory and memory is not local
+    clone = pickle.loads(pickle.dumps(plugin))
+    assert clone._writers == {} and plugin._writer(str(tmp_path / "d.ckpt")) is local

@@ -65,7 +65,7 @@ def test_local_config(tmp_path):
     cli = _run_cli(tmp_path, "local.yaml", f"--trainer.callbacks.init_args.dirpath={directory}")
     plugin = _plugin(cli)
     config = plugin.config
-    assert (config.host_cache_bytes, config.writer_threads, config.chunk_bytes, config.eager_copy_bytes) == (
+    assert (config.host_cache, config.writer_threads, config.chunk_size, config.eager_copy_size) == (
         64 * MiB,
         4,
         64 * MiB,
@@ -86,7 +86,7 @@ def test_sizes_take_integers_and_unit_strings(tmp_path):
         "--trainer.max_steps=2",
     )
     config = _plugin(cli).config
-    assert (config.chunk_bytes, config.eager_copy_bytes) == (MiB, 4096)
+    assert (config.chunk_size, config.eager_copy_size) == (MiB, 4096)
 
 
 def test_a_bad_size_names_the_setting(tmp_path, capsys):
@@ -101,7 +101,7 @@ def test_lustre_config_on_a_local_directory(tmp_path):
     directory = tmp_path / "lustre-standin"
     cli = _run_cli(tmp_path, "lustre.yaml", f"--trainer.callbacks.init_args.dirpath={directory}")
     plugin = _plugin(cli)
-    assert (plugin.config.writer_threads, plugin.config.chunk_bytes) == (16, 64 * MiB)
+    assert (plugin.config.writer_threads, plugin.config.chunk_size) == (16, 64 * MiB)
     _assert_committed(plugin, ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"])
     assert sorted(os.listdir(directory)) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
 

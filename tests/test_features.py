@@ -1,8 +1,9 @@
 """Lightning training features with DataStatesIO: every file equals, bit for bit, the state at its save call.
 
-Each test runs a real CPU Trainer through one feature that mutates state at its own moment (../shared/DESIGN.md
-5.2), with copies slowed down so that they are still running when training goes on, and compares every committed
-file with the deep copy :class:`~tests.conftest.RecordingDataStatesIO` took synchronously at the save call.
+Each test runs a real CPU Trainer through one feature that mutates state at its own moment (``docs/design.md``,
+"Where training waits"), with copies slowed down so that they are still running when training goes on, and compares
+every committed file with the deep copy :class:`~tests.conftest.RecordingDataStatesIO` took synchronously at the save
+call.
 """
 
 from __future__ import annotations

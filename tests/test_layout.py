@@ -37,6 +37,7 @@ from lightning_datastates.capture.layout import (
     _match_records,
     plan_layout,
 )
+from lightning_datastates.compat.torch import NEVER_STORAGE_TYPES, storage_identity
 from lightning_datastates.errors import CheckpointCaptureError
 from tests.conftest import storage_bytes
 
@@ -167,7 +168,7 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 def _sharing(obj: Any) -> list[int]:
     """For each tensor, the index of the first tensor sharing its storage (the partition into storages)."""
     first: dict[int, int] = {}
-    return [first.setdefault(t.untyped_storage()._cdata, i) for i, t in enumerate(_tensors(obj))]
+    return [first.setdefault(storage_identity(t.untyped_storage()), i) for i, t in enumerate(_tensors(obj))]
 
 
 # ---------------------------------------------------------------------------------------------------- objects
@@ -232,11 +233,11 @@ def _model_and_adamw() -> dict:
 
 
 def _plain_types() -> dict:
-    """One instance of each type the planner pickles without asking torch's ``persistent_id`` (``_NEVER_STORAGES``):
+    """One instance of each type the planner pickles without asking torch's ``persistent_id`` (``NEVER_STORAGE_TYPES``):
     if torch ever gave one of them a persistent id, the planned file would differ from ``torch.save``'s."""
     values = [3, 2.5, True, "s", b"b", None, (1, 2), [3], {"k": 1}, collections.OrderedDict(a=1)]
     values += [torch.Size([2, 3]), torch.float16]
-    assert {type(v) for v in values} == layout_module._NEVER_STORAGES
+    assert {type(v) for v in values} == NEVER_STORAGE_TYPES
     return {"values": values, "w": torch.randn(3)}
 
 
@@ -412,7 +413,7 @@ def test_plan_layout_numbers_storages_like_torch_save(case: str) -> None:
     records = _record_bytes(_torch_save(obj))
     data_records = sorted(name for name in records if name.startswith("data/"))
     assert len(data_records) == len(storages)
-    assert len({s._cdata for s in storages}) == len(storages), "a storage is listed twice"
+    assert len({storage_identity(s) for s in storages}) == len(storages), "a storage is listed twice"
     for key, storage in enumerate(storages):
         assert records[f"data/{key}"] == storage_bytes(storage), f"storage {key} is not torch's data/{key}"
 
@@ -652,7 +653,7 @@ def test_plan_layout_is_the_same_for_the_same_checkpoint() -> None:
     (a, a_storages), (b, b_storages) = plan_layout(obj), plan_layout(obj)
     assert a.records == b.records and a.total_bytes == b.total_bytes
     assert [o for o, _ in a.metadata] == [o for o, _ in b.metadata]
-    assert [s._cdata for s in a_storages] == [s._cdata for s in b_storages]
+    assert [storage_identity(s) for s in a_storages] == [storage_identity(s) for s in b_storages]
 
 
 def test_match_records_rejects_storages_that_do_not_match_the_holes() -> None:

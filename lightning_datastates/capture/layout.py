@@ -33,17 +33,20 @@ import bisect
 import collections
 import contextlib
 import io
-import pickle
 import threading
-import types
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils.serialization
 
 from lightning_datastates.archive import ArchiveFormatError, read_archive_index
+from lightning_datastates.compat.torch import (
+    TorchArchiveReader,
+    recording_pickle_module,
+    save_storage_alignment,
+    skip_data,
+)
 from lightning_datastates.streams import SegmentReader
 
 #: Bytes of a CRC-32 field.
@@ -103,21 +106,15 @@ def storage_alignment(alignment: int | None) -> Iterator[None]:
     """Within the block, ``torch.save`` starts every storage's data at a multiple of ``alignment`` bytes (None:
     torch's setting as it is, 64 by default).
 
-    torch keeps this setting process-wide (``torch.utils.serialization.config.save.storage_alignment``), so a
+    torch keeps this setting process-wide (:func:`~lightning_datastates.compat.torch.save_storage_alignment`), so a
     ``torch.save`` another thread runs at the same moment is padded the same way (its file stays valid). The block
     is short (pickling the skeleton) and holds a lock, so two plans never restore each other's value.
     """
     if alignment is None:
         yield
         return
-    config = torch.utils.serialization.config.save
-    with _ALIGNMENT_LOCK:
-        previous = config.storage_alignment
-        config.storage_alignment = alignment
-        try:
-            yield
-        finally:
-            config.storage_alignment = previous
+    with _ALIGNMENT_LOCK, save_storage_alignment(alignment):
+        yield
 
 
 _ALIGNMENT_LOCK = threading.Lock()
@@ -133,8 +130,8 @@ def plan_layout(
     a new structure is remembered there once checked).
 
     One pickling pass: torch's own ``persistent_id`` names each storage's record key, and a pickler base class
-    (:func:`_recording_pickle_module`) writes down which storage got which key, so the mapping is torch's, not a
-    guess. Pickling errors propagate as they are (the caller decides what they mean).
+    (:func:`~lightning_datastates.compat.torch.recording_pickle_module`) writes down which storage got which key, so
+    the mapping is torch's, not a guess. Pickling errors propagate as they are (the caller decides what they mean).
 
     Raises:
         LayoutUnsupported: torch refused ``skip_data`` for this checkpoint (quantized tensors, storage-less
@@ -142,9 +139,9 @@ def plan_layout(
     """
     sink = _LayoutSink()
     storages_by_key: dict[int, torch.UntypedStorage] = {}
-    with torch.serialization.skip_data(), storage_alignment(alignment):
+    with skip_data(), storage_alignment(alignment):
         # torch.save needs only write() and flush() of its target.
-        torch.save(checkpoint, sink, pickle_module=_recording_pickle_module(storages_by_key))  # type: ignore[arg-type]
+        torch.save(checkpoint, sink, pickle_module=recording_pickle_module(storages_by_key))  # type: ignore[arg-type]
     storages = [storages_by_key[key] for key in range(len(storages_by_key))]
     records = _match_records(sink.holes, storages)
     if alignment is not None and any(r.offset % alignment for r in records if r.nbytes):
@@ -297,38 +294,6 @@ def _cut(segments: Iterable[tuple[int, bytes]], ranges: list[tuple[int, int]]) -
     return tuple(result)
 
 
-#: Types of which no instance is a storage: most of the objects a checkpoint pickles (shapes, strides, numbers, keys).
-_NEVER_STORAGES = frozenset(
-    {int, float, bool, str, bytes, type(None), tuple, list, dict, collections.OrderedDict, torch.Size, torch.dtype}
-)
-
-
-def _recording_pickle_module(storages_by_key: dict[int, torch.UntypedStorage]) -> Any:
-    """A ``pickle_module`` for ``torch.save`` whose pickler records torch's storage keys.
-
-    ``torch.save`` subclasses ``pickle_module.Pickler`` and defines ``persistent_id`` on the subclass;
-    ``__init_subclass__`` wraps that method so each storage torch names is recorded under its key.
-    """
-
-    class RecordingPickler(pickle.Pickler):
-        def __init_subclass__(cls, **kwargs: Any) -> None:
-            super().__init_subclass__(**kwargs)
-            torch_persistent_id = cls.persistent_id
-
-            def persistent_id(self: Any, obj: Any) -> Any:
-                if type(obj) in _NEVER_STORAGES:
-                    return None  # what torch's persistent_id answers for them, without its two calls and checks
-                result = torch_persistent_id(self, obj)
-                if isinstance(result, tuple) and result and result[0] == "storage":
-                    storage = obj._untyped_storage if isinstance(obj, torch.storage.TypedStorage) else obj
-                    storages_by_key.setdefault(int(result[2]), storage)
-                return result
-
-            cls.persistent_id = persistent_id  # type: ignore[method-assign]
-
-    return types.SimpleNamespace(__name__="pickle", Pickler=RecordingPickler, dump=pickle.dump)
-
-
 def _match_records(holes: list[tuple[int, int]], storages: list[torch.UntypedStorage]) -> tuple[StorageRecord, ...]:
     """Pair torch's holes (one per non-empty storage, in key order) with the recorded storages."""
     nonempty = [k for k, s in enumerate(storages) if s.nbytes() > 0]
@@ -345,15 +310,15 @@ def _match_records(holes: list[tuple[int, int]], storages: list[torch.UntypedSto
 def _check_layout(layout: CheckpointLayout) -> None:
     """Ask torch's own zip reader where each record's data starts and compare with the plan."""
     try:
-        reader = torch._C.PyTorchFileReader(SegmentReader(layout.metadata, layout.total_bytes))  # type: ignore[call-overload]
-        names = set(reader.get_all_records())
+        reader = TorchArchiveReader(SegmentReader(layout.metadata, layout.total_bytes))
+        names = reader.record_names()
         for record in layout.records:
             name = f"data/{record.key}"
             if name not in names:
                 raise LayoutUnsupported(f"record {name} missing from the planned archive")
-            if record.nbytes and reader.get_record_offset(name) != record.offset:
+            if record.nbytes and reader.record_offset(name) != record.offset:
                 raise LayoutUnsupported(
-                    f"record {name}: torch reads it at {reader.get_record_offset(name)}, planned at {record.offset}"
+                    f"record {name}: torch reads it at {reader.record_offset(name)}, planned at {record.offset}"
                 )
     except LayoutUnsupported:
         raise

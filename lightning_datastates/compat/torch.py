@@ -1,8 +1,21 @@
-"""Private torch internals the package relies on, checked against torch 2.6 to 2.14 (tested on 2.13)."""
+"""Private torch internals the package relies on, checked against torch 2.13.0 (pyproject accepts 2.6 to 2.14).
+
+Each reach into a torch name, attribute or behaviour that torch does not document as stable is here, named for what
+it gives us; the rest of the package calls these. Why the planner needs each one: ``docs/design.md``, "torch file
+format facts".
+"""
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import pickle
+import types
+from collections.abc import Iterator
+from typing import Any
+
 import torch
+import torch.utils.serialization
 
 
 def storage_identity(storage: torch.UntypedStorage) -> int:
@@ -10,5 +23,88 @@ def storage_identity(storage: torch.UntypedStorage) -> int:
 
     ``UntypedStorage._cdata`` (the address of the C++ storage object) is private but stable since torch 1.x; two
     Python wrappers of one storage share it, unlike ``id()``, and unlike ``data_ptr()`` it differs for empty storages.
+    Checked against torch 2.13.0.
     """
     return int(storage._cdata)
+
+
+def skip_data() -> contextlib.AbstractContextManager[Any]:
+    """Within the block, ``torch.save`` writes every byte of its archive but the storages' data, seeking over it.
+
+    Checked against torch 2.13.0: ``torch.serialization.skip_data`` (a prototype API since torch 2.5); torch refuses
+    it for some tensors (quantized, storage-less backends) by raising.
+    """
+    return torch.serialization.skip_data()
+
+
+@contextlib.contextmanager
+def save_storage_alignment(alignment_bytes: int) -> Iterator[None]:
+    """Within the block, ``torch.save`` starts every storage's data at a file offset multiple of ``alignment_bytes``.
+
+    Checked against torch 2.13.0: the process-wide ``torch.utils.serialization.config.save.storage_alignment``
+    (torch 2.6 and later, 64 by default), restored on exit. Not thread-safe on its own: the caller keeps two blocks
+    from overlapping.
+    """
+    config = torch.utils.serialization.config.save
+    previous = config.storage_alignment
+    config.storage_alignment = alignment_bytes
+    try:
+        yield
+    finally:
+        config.storage_alignment = previous
+
+
+#: Types of which no instance is a storage: most of the objects a checkpoint pickles (shapes, strides, numbers, keys).
+#: torch's ``persistent_id`` answers None for each (checked against torch 2.13.0).
+NEVER_STORAGE_TYPES = frozenset(
+    {int, float, bool, str, bytes, type(None), tuple, list, dict, collections.OrderedDict, torch.Size, torch.dtype}
+)
+
+
+def recording_pickle_module(storages_by_key: dict[int, torch.UntypedStorage]) -> Any:
+    """A ``pickle_module`` for ``torch.save`` that writes each storage torch names into ``storages_by_key``, under the
+    record key torch gives it (its data goes to the archive record ``data/<key>``).
+
+    Checked against torch 2.13.0: ``torch.save`` subclasses ``pickle_module.Pickler`` and defines ``persistent_id`` on
+    the subclass, which answers ``("storage", storage_type, key, location, numel)`` for a storage (an
+    ``UntypedStorage``, or a ``TypedStorage`` around the private ``_untyped_storage``) and None for the types of
+    :data:`NEVER_STORAGE_TYPES`. ``__init_subclass__`` wraps that method: those types are answered without asking
+    torch (two calls and checks fewer per object), and every storage torch names is recorded.
+    """
+
+    class RecordingPickler(pickle.Pickler):
+        def __init_subclass__(cls, **kwargs: Any) -> None:
+            super().__init_subclass__(**kwargs)
+            torch_persistent_id = cls.persistent_id
+
+            def persistent_id(self: Any, obj: Any) -> Any:
+                if type(obj) in NEVER_STORAGE_TYPES:
+                    return None  # what torch's persistent_id answers for them, without its two calls and checks
+                result = torch_persistent_id(self, obj)
+                if isinstance(result, tuple) and result and result[0] == "storage":
+                    storage = obj._untyped_storage if isinstance(obj, torch.storage.TypedStorage) else obj
+                    storages_by_key.setdefault(int(result[2]), storage)
+                return result
+
+            cls.persistent_id = persistent_id  # type: ignore[method-assign]
+
+    return types.SimpleNamespace(__name__="pickle", Pickler=RecordingPickler, dump=pickle.dump)
+
+
+class TorchArchiveReader:
+    """torch's own reader of ``torch.save`` archives, to ask where it finds each record.
+
+    Checked against torch 2.13.0: the private binding ``torch._C.PyTorchFileReader``, over a file object with
+    ``read``, ``seek`` and ``tell``; it raises (``RuntimeError``) on an archive it cannot parse.
+    """
+
+    def __init__(self, source: Any) -> None:
+        self._reader = torch._C.PyTorchFileReader(source)
+
+    def record_names(self) -> set[str]:
+        """The names of every record of the archive (``data.pkl``, ``data/0``, ...)."""
+        return set(self._reader.get_all_records())
+
+    def record_offset(self, name: str) -> int:
+        """The file offset at which torch reads the data of record ``name``."""
+        return int(self._reader.get_record_offset(name))  # type: ignore[attr-defined]  # missing from torch's stubs

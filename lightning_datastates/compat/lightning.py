@@ -1,0 +1,84 @@
+"""Private Lightning internals the package relies on, checked against lightning 2.6.6 (pyproject accepts 2.5 and 2.6).
+
+Each reach into a name or attribute Lightning does not document is here, named for what it gives us; the rest of
+the package calls these functions. Why the plugin needs each one: ``docs/design.md``, "Lightning facts".
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm as Tqdm
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
+
+if TYPE_CHECKING:
+    from lightning.pytorch import Trainer
+
+#: The path type of ``CheckpointIO``'s methods (``str`` or ``pathlib.Path``), private in
+#: ``lightning.fabric.utilities.types`` (lightning 2.6.6); the plugin's signatures must match its base class.
+CheckpointPath = _PATH
+
+# ``Tqdm`` above: the tqdm subclass TQDMProgressBar draws its bars with (number formatting of Lightning's bars), from
+# ``lightning.pytorch.callbacks.progress.tqdm_progress``, which the package does not export (lightning 2.6.6).
+
+
+def unwrap_checkpoint_io(checkpoint_io: Any) -> Any:
+    """The ``CheckpointIO`` inside any wrappers (``AsyncCheckpointIO``, ...) around ``checkpoint_io``.
+
+    Checked against lightning 2.6.6: wrappers derive from the private ``_WrappingCheckpointIO`` and hold the wrapped
+    plugin in ``checkpoint_io``.
+    """
+    while isinstance(checkpoint_io, _WrappingCheckpointIO):
+        checkpoint_io = checkpoint_io.checkpoint_io
+    return checkpoint_io
+
+
+def override_file_exists(checkpoint_callback: ModelCheckpoint, counts_as_existing: Callable[[Any, bool], bool]) -> None:
+    """Make ``checkpoint_callback`` ask ``counts_as_existing(path, exists_on_storage)`` whether a file exists.
+
+    Checked against lightning 2.6.6: ``ModelCheckpoint`` picks the version suffix (``-v1``) of its files and of
+    ``last.ckpt`` by calling ``self.file_exists(filepath, trainer)``, which asks its private file system ``_fs`` on
+    global rank zero and reduces the answer over the ranks. The replacement keeps those two steps and puts
+    ``counts_as_existing`` in between. Undo with :func:`restore_file_exists`.
+    """
+
+    def file_exists(callback: ModelCheckpoint, filepath: Any, trainer: Trainer) -> bool:
+        local = bool(trainer.is_global_zero and counts_as_existing(filepath, callback._fs.exists(filepath)))
+        return trainer.strategy.reduce_boolean_decision(local, all=False)
+
+    checkpoint_callback.file_exists = types.MethodType(file_exists, checkpoint_callback)  # type: ignore[method-assign]
+
+
+def restore_file_exists(checkpoint_callback: ModelCheckpoint) -> None:
+    """Undo :func:`override_file_exists` (the instance attribute goes; the class's method shows again)."""
+    checkpoint_callback.__dict__.pop("file_exists", None)
+
+
+def logging_step(trainer: Trainer) -> int:
+    """The step the Trainer's loggers are at now, as ``LightningModule.log`` and ``LearningRateMonitor`` use it.
+
+    Checked against lightning 2.6.6: the private counter ``fit_loop.epoch_loop._batches_that_stepped`` (batches
+    whose optimizer stepped), which ``LearningRateMonitor`` logs at.
+    """
+    return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+
+def fsdp_state_dict_type(strategy: Any) -> str:
+    """``FSDPStrategy``'s ``state_dict_type`` (``"full"`` or ``"sharded"``).
+
+    Checked against lightning 2.6.6: kept only in the private ``_state_dict_type``; ``"full"`` where it is missing.
+    """
+    return str(getattr(strategy, "_state_dict_type", "full"))
+
+
+def saves_distributed_checkpoint(strategy: Any) -> bool:
+    """``ModelParallelStrategy``'s ``save_distributed_checkpoint`` setting.
+
+    Checked against lightning 2.6.6: kept only in the private ``_save_distributed_checkpoint``; True (Lightning's
+    default) where it is missing.
+    """
+    return bool(getattr(strategy, "_save_distributed_checkpoint", True))
