@@ -5,8 +5,8 @@ CheckpointIO and DCP's ``async_save``, on the same model, data and checkpoint in
 gate), ``runner`` (the parent: one worker subprocess per method and round; the raw throughput of the target),
 ``worker`` (a subprocess: one method's training run), ``methods``, ``dcp`` and ``recording`` (the timed CheckpointIO
 of each method and what records their timestamps), ``report`` (figures, medians, ratios, markdown, JSON), ``plot``
-(the timeline), ``choices`` (methods and model sizes). Importing this package loads neither torch nor Lightning (the
-workers do); nothing in the plugin imports it.
+(the timeline), ``choices`` (methods and model sizes), ``options`` (``--datastates NAME=VALUE``). Importing this
+package loads neither torch nor Lightning (the workers do); nothing in the plugin imports it.
 """
 
 from __future__ import annotations

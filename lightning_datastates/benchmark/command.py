@@ -23,11 +23,9 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
-
-import yaml  # type: ignore[import-untyped]  # PyYAML comes with lightning; no stubs needed here
 
 from lightning_datastates.benchmark.choices import METHODS, MODELS
+from lightning_datastates.benchmark.options import datastates_options
 from lightning_datastates.benchmark.plot import plot_timeline
 from lightning_datastates.benchmark.report import (
     blocked_gate,
@@ -88,18 +86,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.max_blocked_vs_sync is not None and not {"torch", "datastates"} <= set(args.methods):
         parser.error("--max-blocked-vs-sync needs the methods torch and datastates")
     return args
-
-
-def datastates_options(pairs: list[str]) -> dict[str, Any]:
-    """``["writer_threads=2", "chunk_size=32MiB", "serve_from_memory=false"]`` ->
-    ``{"writer_threads": 2, "chunk_size": "32MiB", "serve_from_memory": False}``: values read as in a yaml config."""
-    options: dict[str, Any] = {}
-    for pair in pairs:
-        name, sep, value = pair.partition("=")
-        if not sep or not name:
-            raise SystemExit(f"--datastates expects NAME=VALUE, got {pair!r}")
-        options[name.strip()] = yaml.safe_load(value) if value.strip() else ""
-    return options
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,8 +25,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_datastates._gpt import GPT
 from lightning_datastates.benchmark.choices import MODELS, SEED
-from lightning_datastates.benchmark.command import datastates_options
 from lightning_datastates.benchmark.methods import BenchDataStatesIO, plugin_for
+from lightning_datastates.benchmark.options import datastates_options
 from lightning_datastates.benchmark.recording import Fsyncer, Recorder, StepClock
 
 
