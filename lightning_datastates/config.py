@@ -147,16 +147,6 @@ class DataStatesConfig:
         ):
             object.__setattr__(self, name, value)
 
-    @property
-    def chunk_bytes(self) -> int:
-        """``chunk_size`` (bytes), as the engine reads it."""
-        return self.chunk_size
-
-    @property
-    def eager_copy_bytes(self) -> int:
-        """``eager_copy_size`` (bytes), as the engine reads it."""
-        return self.eager_copy_size
-
     def arena_bytes_for(self, payload_bytes: int) -> int:
         """Arena size: the user's ``host_cache``, or the default rule of :mod:`~lightning_datastates.copy.sizing`
         (two checkpoints, at most half the available memory)."""

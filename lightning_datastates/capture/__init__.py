@@ -1,1 +1,2 @@
-"""Capture, on the training thread: plan the file's bytes (:mod:`.layout`) and the copy's chunks (:mod:`.chunks`)."""
+"""Capture, on the training thread: plan the file's bytes (:mod:`.layout`, with its fallback in :mod:`.planning`),
+admit the checkpoint into the host arena (:mod:`.admission`), and cut the copy into chunks (:mod:`.chunks`)."""

@@ -3,7 +3,7 @@
 The steps of a checkpoint, and where each lives:
 
 1. **capture** (training thread, :meth:`SnapshotEngine.capture`): plan the file layout
-   (:mod:`~lightning_datastates.snapshot.planning` over :mod:`~lightning_datastates.capture.layout`; the non-tensor
+   (:mod:`~lightning_datastates.capture.planning` over :mod:`~lightning_datastates.capture.layout`; the non-tensor
    skeleton is pickled there and then), admit the checkpoint into the host arena
    (:mod:`~lightning_datastates.capture.admission`), open a write session, cut the storages into chunks
    (:mod:`~lightning_datastates.capture.chunks`), sharing earlier copies of the same state
@@ -42,6 +42,7 @@ import torch
 
 from lightning_datastates.capture.admission import admit, arena_request_bytes, open_arena, skipped_stats
 from lightning_datastates.capture.chunks import plan_chunks
+from lightning_datastates.capture.planning import LayoutPlanner, plan_lazy_copy
 from lightning_datastates.config import DataStatesConfig
 from lightning_datastates.copy.arena import HostArena
 from lightning_datastates.copy.copier import CopierSet
@@ -51,7 +52,6 @@ from lightning_datastates.load.resident import ResidentCache
 from lightning_datastates.snapshot.backpressure import BackPressureWarning, describe_back_pressure
 from lightning_datastates.snapshot.job import SnapshotJob, SnapshotStats
 from lightning_datastates.snapshot.pending import PendingCheckpoints
-from lightning_datastates.snapshot.planning import LayoutPlanner, plan_lazy_copy
 from lightning_datastates.snapshot.threads import EngineThreads
 from lightning_datastates.storage.base import StorageWriter
 from lightning_datastates.write.checksums import checksummed
@@ -146,11 +146,11 @@ class SnapshotEngine:
             self.history.append(stats)
             self._pending.note_skipped()
             return stats
-        chunk_bytes = max(4096, min(self.config.chunk_bytes, data_path.arena.size_bytes // 4))
+        chunk_bytes = max(4096, min(self.config.chunk_size, data_path.arena.size_bytes // 4))
         eager_keys = {
             r.key
             for r in layout.records
-            if lazy is None or r.nbytes <= self.config.eager_copy_bytes or not lazy(storages[r.key])
+            if lazy is None or r.nbytes <= self.config.eager_copy_size or not lazy(storages[r.key])
         }
         devices = {s.device for s in storages if s.nbytes() > 0}
         # Writer threads checksum what they write and fill each record's CRC-32 (write/checksums.py).
