@@ -20,11 +20,13 @@ if TYPE_CHECKING:
         DataStatesError,
     )
     from lightning_datastates.plugin import DataStatesIO
+    from lightning_datastates.snapshot.backpressure import BackPressureWarning
     from lightning_datastates.snapshot.job import SnapshotStats
 
 # Imported on first use (PEP 562): the plugin pulls in Lightning, seconds of startup that the command line
 # (`python -m lightning_datastates verify ...`) does not need.
 _EXPORTS = {
+    "BackPressureWarning": "lightning_datastates.snapshot.backpressure",
     "CheckpointCaptureError": "lightning_datastates.errors",
     "CheckpointCorruptError": "lightning_datastates.errors",
     "CheckpointFlushError": "lightning_datastates.errors",
@@ -52,6 +54,7 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0"
 
 __all__ = [
+    "BackPressureWarning",
     "CheckpointCaptureError",
     "CheckpointCorruptError",
     "CheckpointFlushError",
