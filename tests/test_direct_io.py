@@ -1,7 +1,7 @@
 """storage_alignment: tensors at aligned file offsets, and direct I/O (O_DIRECT) for local writes, with fallback.
 
 The storage contract suite also runs against the direct-I/O writer (the "local-direct" harness of
-tests/test_local_storage.py).
+tests/test_storage_contract.py).
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ import torch
 import torch.utils.serialization
 
 from lightning_datastates import DataStatesIO
+from lightning_datastates.alignment import PAGE_ALIGNMENT_BYTES
 from lightning_datastates.archive import read_archive_index
 from lightning_datastates.capture.layout import plan_layout
 from lightning_datastates.errors import ConfigError
 from lightning_datastates.storage import local as local_module
-from lightning_datastates.storage.local import DIRECT_IO_ALIGNMENT, LocalWriter, LocalWriteSession
+from lightning_datastates.storage.local import LocalWriter, LocalWriteSession
 from tests.conftest import assert_bit_equal, in_background
 
 
@@ -36,7 +37,7 @@ def _direct_io_works(directory: str) -> bool:
     except OSError:
         return False
     try:
-        block = mmap.mmap(-1, DIRECT_IO_ALIGNMENT)
+        block = mmap.mmap(-1, PAGE_ALIGNMENT_BYTES)
         os.pwrite(fd, block, 0)
         return True
     except OSError:
@@ -133,7 +134,7 @@ def test_default_writes_use_o_direct_where_the_file_system_takes_it(tmp_path, di
             direct_io == "auto" and local_module.direct_io_suits(str(tmp_path)) and _direct_io_works(str(tmp_path))
         )
         assert session.direct_io == expected
-        assert session.direct_alignment == (DIRECT_IO_ALIGNMENT if expected else None)
+        assert session.direct_alignment == (PAGE_ALIGNMENT_BYTES if expected else None)
         assert session.fast_writes == (not expected)  # write-through only through the page cache
     finally:
         session.abort()

@@ -1,6 +1,6 @@
 """S3 through the multipart writer, against a real S3 API on loopback (moto's server; see tests/s3_server.py).
 
-The storage contract suite runs against S3 too (the "s3" harness of tests/test_local_storage.py); here is what is
+The storage contract suite runs against S3 too (the "s3" harness of tests/test_storage_contract.py); here is what is
 specific to S3: multipart parts, back-pressure, failures of the server (a vanished upload, SIGSTOP, SIGKILL), stale
 uploads, and the Trainer round trip on ``s3://`` URLs.
 """
@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_datastates import CheckpointFlushError, DataStatesIO
 from lightning_datastates.errors import ConfigError
-from lightning_datastates.load.reader import fetch_into_memfd, load_checkpoint
+from lightning_datastates.load.reader import load_checkpoint
 from lightning_datastates.storage import writer_for
 from lightning_datastates.storage.s3 import (
     MAX_PART_BYTES,
@@ -30,6 +30,7 @@ from lightning_datastates.storage.s3 import (
     S3NotFoundError,
     S3WriteError,
     S3Writer,
+    fetch_into_memfd,
     plan_parts,
 )
 from lightning_datastates.streams import BufferReader
@@ -41,7 +42,7 @@ from tests.s3_server import (  # noqa: F401 - the *_fixture imports register the
     s3_endpoint_fixture,
     s3_fixture,
 )
-from tests.test_local_storage import JOIN_S, _write_in_threads
+from tests.test_storage_contract import JOIN_S, _write_in_threads
 
 MiB = 1024**2
 P = 5 * MiB  # the smallest part S3 (and moto) accepts

@@ -21,7 +21,10 @@ reporting) those fresh pages are expensive: measured here, buffered writes of ne
 CPU time while direct writes from the reused arena ran at device speed.
 
 Temporary files are named ``.<name>.<host>.<pid>.<token>.datastates-tmp``: hidden, never matching
-``*.ckpt``, and telling :meth:`LocalWriter.clean_stale` which process left them.
+``*.ckpt``, and telling :meth:`LocalWriter.clean_stale` which process left them (see
+:mod:`~lightning_datastates.storage.leftovers`).
+
+Loads map the committed file itself (:meth:`LocalWriter.open_local`).
 """
 
 from __future__ import annotations
@@ -35,26 +38,29 @@ import mmap
 import os
 import re
 import shutil
-import socket
 import threading
 import time
-import uuid
 from collections.abc import Hashable, Iterator
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
-from lightning_datastates.config import DirectIO
-from lightning_datastates.storage.base import DEFAULT_STALE_AGE_S, StorageWriter, WriteSession
-
-TEMP_SUFFIX = ".datastates-tmp"
-_TEMP_PATTERN = re.compile(
-    r"^\.(?P<name>.+)\.(?P<host>[^.]+)\.(?P<pid>\d+)\.(?P<token>[0-9a-f]{8})" + re.escape(TEMP_SUFFIX) + "$"
+from lightning_datastates.alignment import PAGE_ALIGNMENT_BYTES, align_up
+from lightning_datastates.storage.base import StorageWriter, WriteSession
+from lightning_datastates.storage.leftovers import (
+    DEFAULT_STALE_AGE_S,
+    TEMP_SUFFIX,
+    leftover_name,
+    parse_leftover_name,
+    writer_gone,
 )
+
+if TYPE_CHECKING:  # config imports the storage package (its stale-age default): no import back at run time
+    from lightning_datastates.config import DirectIO
+
 log = logging.getLogger("lightning_datastates")
 
-#: Offsets, lengths and memory addresses of direct writes are multiples of this: the page size, at least 4 KiB (every
-#: common device's logical block size divides it). A whole page, so that the partial pages written through the page
-#: cache never share a page with a direct write (64 KiB pages on some ARM and POWER kernels).
-DIRECT_IO_ALIGNMENT = max(4096, mmap.PAGESIZE)
+# Offsets, lengths and memory addresses of direct writes are multiples of PAGE_ALIGNMENT_BYTES: a whole page, so that
+# the partial pages written through the page cache never share a page with a direct write (64 KiB pages on some ARM
+# and POWER kernels), and a multiple of every common device's logical block size.
 #: Size of the per-thread aligned buffer that direct writes from unaligned memory are copied through.
 BOUNCE_BYTES = 8 * 1024**2
 #: Directories already warned about for refusing direct I/O (one warning each per process).
@@ -66,8 +72,6 @@ _DIRECT_IO_FILE_SYSTEMS = frozenset(
 )
 #: Longest file name most POSIX file systems accept.
 _MAX_NAME_BYTES = 255
-#: A temporary file of another host is only removed once untouched this long by default: its writer may be alive.
-FOREIGN_TEMP_AGE_S = DEFAULT_STALE_AGE_S
 
 
 def is_local_path(path: str) -> bool:
@@ -78,10 +82,6 @@ def is_local_path(path: str) -> bool:
 def local_path(path: str) -> str:
     """``path`` without a ``file://`` prefix."""
     return path[len("file://") :] if path.startswith("file://") else path
-
-
-def _host_tag() -> str:
-    return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
 
 
 class PositionalFileSession(WriteSession):
@@ -111,8 +111,8 @@ class PositionalFileSession(WriteSession):
 
     @property
     def direct_alignment(self) -> int | None:  # type: ignore[override]
-        """:data:`DIRECT_IO_ALIGNMENT` while whole aligned blocks go through ``O_DIRECT``; else None."""
-        return None if self._direct_fd is None else DIRECT_IO_ALIGNMENT
+        """``PAGE_ALIGNMENT_BYTES`` while whole aligned blocks go through ``O_DIRECT``; else None."""
+        return None if self._direct_fd is None else PAGE_ALIGNMENT_BYTES
 
     def write_range(self, offset: int, data: memoryview) -> None:
         """``pwrite`` all of ``data`` at ``offset`` (retrying short writes); with direct I/O, its whole aligned
@@ -125,8 +125,8 @@ class PositionalFileSession(WriteSession):
         if fd is None:
             raise RuntimeError(f"write to {self.path} after its session ended")
         view = memoryview(data).cast("B")
-        start = -(-offset // DIRECT_IO_ALIGNMENT) * DIRECT_IO_ALIGNMENT
-        stop = (offset + view.nbytes) // DIRECT_IO_ALIGNMENT * DIRECT_IO_ALIGNMENT
+        start = align_up(offset)
+        stop = (offset + view.nbytes) // PAGE_ALIGNMENT_BYTES * PAGE_ALIGNMENT_BYTES
         direct_fd = self._direct_fd
         with out_of_space_named(self.path):
             if direct_fd is None or stop <= start:
@@ -228,10 +228,7 @@ class LocalWriter(StorageWriter):
                 "name (ModelCheckpoint's filename, or Trainer.save_checkpoint('dir/name.ckpt'))",
             )
         directory = os.path.dirname(path) or "."
-        suffix = f".{_host_tag()}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TEMP_SUFFIX}"
-        # Shorten the name part if needed: a valid checkpoint name must not make the temporary name too long.
-        name = os.path.basename(path)[: max(1, _MAX_NAME_BYTES - 1 - len(suffix))]
-        temp_path = os.path.join(directory, f".{name}{suffix}")
+        temp_path = os.path.join(directory, leftover_name(os.path.basename(path), TEMP_SUFFIX, _MAX_NAME_BYTES))
         with _unwritable_directory_named(directory):
             os.makedirs(directory, exist_ok=True)
             fd = os.open(temp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
@@ -253,6 +250,22 @@ class LocalWriter(StorageWriter):
     def open_read(self, path: str) -> BinaryIO:
         """Open ``path`` for reading."""
         return open(local_path(path), "rb")
+
+    def open_local(self, path: str, *, read_ahead: bool = False) -> BinaryIO:
+        """The file at ``path`` itself, open for reading; with ``read_ahead``, the kernel is asked to read all of it
+        ahead (``POSIX_FADV_WILLNEED``: it reads while torch unpickles).
+
+        Raises:
+            FileNotFoundError: nothing at ``path``.
+        """
+        file = open(local_path(path), "rb")
+        if read_ahead and hasattr(os, "posix_fadvise"):
+            try:
+                os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
+            except BaseException:
+                file.close()
+                raise
+        return file
 
     def fingerprint(self, path: str) -> Hashable | None:
         """Device, inode, size and modification time of ``path`` (one ``stat``); None if it is missing.
@@ -285,20 +298,18 @@ class LocalWriter(StorageWriter):
         except (FileNotFoundError, NotADirectoryError, PermissionError):
             return []  # nothing there, or nothing we may clean (writing there then fails with the fix named)
         removed = []
-        host, now = _host_tag(), time.time()
+        now = time.time()
         for name in names:
-            match = _TEMP_PATTERN.match(name)
-            if match is None:
+            leftover = parse_leftover_name(name, TEMP_SUFFIX)
+            if leftover is None:
                 continue
             full = os.path.join(directory, name)
-            if match["host"] == host:
-                stale = int(match["pid"]) != os.getpid() and not _pid_alive(int(match["pid"]))
-            else:
-                try:
-                    stale = now - os.stat(full).st_mtime > max_age_s
-                except FileNotFoundError:
-                    continue
-            if stale:
+            try:
+                age_s = now - os.stat(full).st_mtime
+            except FileNotFoundError:
+                continue
+            # This writer does not track its sessions: any temporary file of this process may be one in flight.
+            if writer_gone(leftover.owner, age_s, max_age_s, tracks_own_writes=False):
                 try:
                     os.unlink(full)
                     removed.append(full)
@@ -437,7 +448,7 @@ def _write_direct(fd: int, view: memoryview, offset: int) -> None:
     descriptor: straight from ``view`` when its address is aligned (and the kernel can map it for the device), else
     through this thread's bounce buffer."""
     address = _address(view)
-    if address is not None and address % DIRECT_IO_ALIGNMENT == 0:
+    if address is not None and address % PAGE_ALIGNMENT_BYTES == 0:
         try:
             write_all(fd, view, offset)
             return
@@ -457,16 +468,6 @@ def _write_direct(fd: int, view: memoryview, offset: int) -> None:
             write_all(fd, target[: piece.nbytes], offset + start)
     finally:
         target.release()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    return True
 
 
 def _fsync_directory(directory: str) -> None:
