@@ -178,6 +178,32 @@ def test_begin_in_a_missing_bucket_fails_at_once_naming_the_path(s3):
     assert "s3://no-such-bucket/run/x.ckpt" in str(raised.value) and isinstance(raised.value, OSError)
 
 
+def test_a_writer_built_before_a_fork_works_in_the_child(s3):
+    """s3fs file systems are not fork-safe: the writer builds new clients in a forked child (ddp_fork builds the
+    plugin before forking)."""
+    writer = _writer(s3)
+    writer.exists(s3.url("run/warm"))  # the parent's clients are in use
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit status only
+        try:
+            session = writer.begin(s3.url("run/child.ckpt"), 5)
+            session.write_range(0, memoryview(b"child"))
+            session.complete()
+            os._exit(0 if writer.exists(s3.url("run/child.ckpt")) else 1)
+        except BaseException:  # noqa: BLE001
+            os._exit(2)
+    deadline = time.monotonic() + JOIN_S  # hang guard: a child on the parent's clients waits forever
+    while (ended := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if ended[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung on the parent's S3 clients")
+    status = ended[1]
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert s3.read("run/child.ckpt") == b"child" and writer.exists(s3.url("run/child.ckpt"))
+
+
 # ---------------------------------------------------------------------------------------------------- other operations
 def test_remove_deletes_the_object_and_its_prefix_tree_only(s3):
     for key in ("run/a.ckpt", "run/a.ckpt/shard_0", "run/a.ckpt/sub/.metadata", "run/a.ckpt2", "run/b.ckpt"):

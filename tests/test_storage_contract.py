@@ -281,3 +281,52 @@ def test_clean_stale_on_a_clean_directory_removes_nothing(harness: Harness) -> N
     harness.put(path, b"data")
     assert harness.writer.clean_stale(os.path.dirname(path)) == []
     assert harness.read(path) == b"data"
+
+
+# ---------------------------------------------------------------------------------------------------- the read side
+def test_every_read_operation_returns_the_committed_bytes_and_a_missing_file_raises(harness: Harness) -> None:
+    data = random.Random(7).randbytes(300_000)
+    path = harness.path("read.ckpt")
+    harness.put(path, data)
+    assert bytes(harness.writer.read_bytes(path)) == data
+    with harness.writer.open_read(path) as stream:
+        assert stream.read() == data
+    local = harness.writer.open_local(path, read_ahead=True)  # None: this backend has no local file to offer
+    if local is not None:
+        with local:
+            assert os.fstat(local.fileno()).st_size == len(data) and local.read() == data
+    missing = harness.path("missing.ckpt")
+    with pytest.raises(FileNotFoundError):
+        harness.writer.read_bytes(missing)
+    if local is not None:
+        with pytest.raises(FileNotFoundError):
+            harness.writer.open_local(missing)
+
+
+def test_one_writer_serves_many_threads_saving_loading_and_removing(harness: Harness) -> None:
+    """The plugin keeps one writer per protocol: it must take sessions, reads, checks and removals from several
+    threads at once, for many paths."""
+    errors: list[BaseException] = []
+
+    def work(worker: int) -> None:
+        rng = random.Random(worker)
+        try:
+            for round_ in range(3):
+                path = harness.path(f"w{worker}-r{round_}.ckpt")
+                data = rng.randbytes(rng.randint(1, 100_000))
+                session = harness.writer.begin(path, len(data))
+                session.write_range(0, memoryview(data))
+                session.complete()
+                assert harness.writer.exists(path) and bytes(harness.writer.read_bytes(path)) == data
+                harness.writer.remove(path)
+                assert not harness.writer.exists(path)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    workers = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(JOIN_S)
+    assert not any(w.is_alive() for w in workers)
+    assert errors == []
