@@ -22,8 +22,8 @@ The read operations are methods of the writer rather than a reader class beside 
 override ``cat_file`` and keep the default elsewhere): a backend's reads share its client, settings and path rules
 (the S3 writer's connection pools, retries and timeouts), and the plugin keeps one object per protocol.
 
-A writer is built once per protocol and reused: for many paths, saves, loads and clean-ups, from several threads at
-once (the training thread begins, writer threads write, the training thread loads and cleans).
+A writer may be built once per protocol and reused (the plugin keeps one): for many paths, saves, loads and clean-ups,
+from several threads at once (the training thread begins, loads and cleans while writer threads write).
 """
 
 from __future__ import annotations
