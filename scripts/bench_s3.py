@@ -128,13 +128,12 @@ def main() -> None:
         if args.part_mib:
             baseline = Timing(lambda: fs.pipe_file(f"{env.bucket}/{key}", data), args.repeats, clean)
             print(f"| s3fs pipe_file (defaults) | 50 MiB | 1 | {baseline.row(args.size_mib)} |")
-        # Build the clients and run each multipart call once (botocore loads them lazily); every writer below has
-        # the same storage options, so they all share these cached file systems.
-        for _ in range(2):
-            _upload_with_writer(S3Writer(env.storage_options, part_size_bytes=5 * MiB), path, data[: 11 * MiB])
         for part_mib in args.part_mib:
             for window in args.concurrency:
                 writer = S3Writer(env.storage_options, part_size_bytes=part_mib * MiB, max_concurrent_parts=window)
+                # Each writer owns its clients: build them and run each multipart call once, untimed (botocore
+                # loads them lazily).
+                _upload_with_writer(writer, env.url("bench/warmup.bin"), data[: writer.part_size_bytes + 1])
                 upload = functools.partial(_upload_with_writer, writer, path, data)
                 timing = Timing(upload, args.repeats, clean)
                 assert env.client.head_object(Bucket=env.bucket, Key=key)["ContentLength"] == size
@@ -159,13 +158,12 @@ def main() -> None:
                 torch.load(stream, weights_only=True)
 
         print(f"| torch.load(fs.open(path, 'rb')) | - | {Timing(plain, args.repeats, lambda: None).row(mib)} |")
-        warm = S3Writer(env.storage_options)
-        warm.exists(ckpt_path)  # the metadata client
-        warm.read_bytes(env.url("bench/warmup.bin"))
         for window in args.concurrency:
             for range_mib in args.range_mib:
                 range_bytes = range_mib * MiB if range_mib else None
                 writer = S3Writer(env.storage_options, max_concurrent_parts=window, read_range_bytes=range_bytes)
+                writer.exists(ckpt_path)  # build this writer's clients, untimed
+                writer.read_bytes(env.url("bench/warmup.bin"))
                 ranges = f"{window} ({writer.range_bytes_for(len(checkpoint_bytes)) / MiB:.0f} MiB)"
                 load = functools.partial(load_checkpoint, writer, ckpt_path, weights_only=True)
                 full = Timing(load, args.repeats, lambda: None)

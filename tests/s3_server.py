@@ -1,7 +1,7 @@
 """A real S3 API on loopback for the tests: moto's server, in a thread (shared) or as a process (to SIGKILL).
 
 * :func:`shared_server` starts one ``ThreadedMotoServer`` per test process, on a free port, on first use.
-* :func:`fresh_bucket` resets it (``POST /moto-api/reset``), drops cached s3fs clients and creates a bucket.
+* :func:`fresh_bucket` resets it (``POST /moto-api/reset``), drops s3fs's cached clients and creates a bucket.
 * Fixtures (import the ``*_fixture`` functions into a test module): ``s3_endpoint`` (session: the server, plus
   dummy ``AWS_*`` variables and ``AWS_ENDPOINT_URL`` so plain ``s3://`` URLs reach it, as in Lightning's own
   ``ModelCheckpoint``) and ``s3`` (per test: a fresh bucket; after the test, no multipart upload may be left open).
@@ -138,13 +138,11 @@ def _boto_client(endpoint: str) -> Any:
 
 
 def clear_client_caches() -> None:
-    """Drop cached s3fs instances (s3fs's and the writer's): every test starts with fresh clients."""
+    """Drop s3fs's cached instances (and their listing caches): every test starts with fresh clients. Writers own
+    theirs: a new writer has new clients."""
     import s3fs
 
-    from lightning_datastates.storage.s3 import clear_filesystem_cache
-
     s3fs.S3FileSystem.clear_instance_cache()
-    clear_filesystem_cache()
 
 
 def fresh_bucket(endpoint: str, bucket: str = BUCKET, reset: bool = True) -> S3Env:

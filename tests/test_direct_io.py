@@ -1,7 +1,7 @@
 """storage_alignment: tensors at aligned file offsets, and direct I/O (O_DIRECT) for local writes, with fallback.
 
 The storage contract suite also runs against the direct-I/O writer (the "local-direct" harness of
-tests/test_local_storage.py).
+tests/test_storage_contract.py).
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ import torch
 import torch.utils.serialization
 
 from lightning_datastates import DataStatesIO
+from lightning_datastates.alignment import PAGE_ALIGNMENT_BYTES
 from lightning_datastates.archive import read_archive_index
 from lightning_datastates.capture.layout import plan_layout
 from lightning_datastates.errors import ConfigError
+from lightning_datastates.storage import direct_io as direct_io_module
 from lightning_datastates.storage import local as local_module
-from lightning_datastates.storage.local import DIRECT_IO_ALIGNMENT, LocalWriter, LocalWriteSession
+from lightning_datastates.storage.local import LocalWriter, LocalWriteSession
 from tests.conftest import assert_bit_equal, in_background
 
 
@@ -36,7 +38,7 @@ def _direct_io_works(directory: str) -> bool:
     except OSError:
         return False
     try:
-        block = mmap.mmap(-1, DIRECT_IO_ALIGNMENT)
+        block = mmap.mmap(-1, PAGE_ALIGNMENT_BYTES)
         os.pwrite(fd, block, 0)
         return True
     except OSError:
@@ -106,23 +108,23 @@ def test_the_file_system_of_a_path_is_read_from_the_mount_table(tmp_path) -> Non
         ("/mnt/nfsother", "ext4"),
         ("/dev/shm/x", "tmpfs"),
     ]:
-        assert local_module._file_system_type(path, str(mountinfo)) == expected, path
-    assert local_module._file_system_type("/", str(tmp_path / "missing")) is None
+        assert direct_io_module._file_system_type(path, str(mountinfo)) == expected, path
+    assert direct_io_module._file_system_type("/", str(tmp_path / "missing")) is None
 
 
 @pytest.mark.parametrize("fstype", ["nfs4", "tmpfs", "fuse.gcsfuse"])
 def test_auto_leaves_network_fuse_and_memory_file_systems_to_the_page_cache(tmp_path, monkeypatch, fstype) -> None:
     """Each direct write to NFS or a FUSE file system is a synchronous request: "auto" keeps the page cache there;
     ``direct_io=True`` still asks for O_DIRECT."""
-    monkeypatch.setattr(local_module, "_file_system_type", lambda path: fstype)
-    local_module.direct_io_suits.cache_clear()  # answered once per directory: forget answers from the real table
+    monkeypatch.setattr(direct_io_module, "_file_system_type", lambda path: fstype)
+    direct_io_module.direct_io_suits.cache_clear()  # answered once per directory: forget answers from the real table
     try:
         for direct_io, expected in (("auto", False), (True, _direct_io_works(str(tmp_path)))):
             session = LocalWriter(direct_io=direct_io).begin(str(tmp_path / "x.ckpt"), 0)
             assert session.direct_io == expected, direct_io
             session.abort()
     finally:
-        local_module.direct_io_suits.cache_clear()
+        direct_io_module.direct_io_suits.cache_clear()
 
 
 @pytest.mark.parametrize("direct_io", ["auto", False])
@@ -130,10 +132,10 @@ def test_default_writes_use_o_direct_where_the_file_system_takes_it(tmp_path, di
     session = DataStatesIO(direct_io=direct_io)._writer(str(tmp_path / "x.ckpt")).begin(str(tmp_path / "x.ckpt"), 0)
     try:
         expected = (
-            direct_io == "auto" and local_module.direct_io_suits(str(tmp_path)) and _direct_io_works(str(tmp_path))
+            direct_io == "auto" and direct_io_module.direct_io_suits(str(tmp_path)) and _direct_io_works(str(tmp_path))
         )
         assert session.direct_io == expected
-        assert session.direct_alignment == (DIRECT_IO_ALIGNMENT if expected else None)
+        assert session.direct_alignment == (PAGE_ALIGNMENT_BYTES if expected else None)
         assert session.fast_writes == (not expected)  # write-through only through the page cache
     finally:
         session.abort()
@@ -203,7 +205,7 @@ def test_a_file_system_refusing_o_direct_at_open_falls_back(tmp_path, monkeypatc
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(local_module.os, "open", no_direct_open)
-    monkeypatch.setattr(local_module, "_DIRECT_IO_WARNED", set())
+    monkeypatch.setattr(direct_io_module, "_DIRECT_IO_WARNED", set())
     plugin = DataStatesIO(storage_alignment=4096, direct_io=direct_io)
     checkpoint = _checkpoint()
     with caplog.at_level(logging.DEBUG, logger="lightning_datastates"):
@@ -226,15 +228,15 @@ def test_direct_writes_come_straight_from_the_arena_without_a_bounce_copy(tmp_pa
     if not _direct_io_works(str(tmp_path)):
         pytest.skip(f"{tmp_path} refuses O_DIRECT")
     direct_bytes = {"in place": 0, "bounced": 0, "metadata": 0}
-    real_write_direct = local_module._write_direct
+    real_write_direct = local_module.write_direct
 
     def spy(fd: int, view: memoryview, offset: int) -> None:
-        address = local_module._address(view)  # None: read-only bytes, i.e. the layout's headers and padding
+        address = direct_io_module._address(view)  # None: read-only bytes, i.e. the layout's headers and padding
         kind = "metadata" if address is None else "in place" if address % 4096 == 0 else "bounced"
         direct_bytes[kind] += view.nbytes
         real_write_direct(fd, view, offset)
 
-    monkeypatch.setattr(local_module, "_write_direct", spy)
+    monkeypatch.setattr(local_module, "write_direct", spy)  # where the session looks it up
     plugin = in_background(DataStatesIO(storage_alignment=storage_alignment, chunk_size="1MiB"), lazy=True)
     checkpoint = _checkpoint()
     plugin.save_checkpoint(checkpoint, str(tmp_path / "a.ckpt"))
@@ -253,7 +255,7 @@ def test_memory_the_device_cannot_map_is_written_through_the_bounce_buffer(tmp_p
     direct_fd, real_pwrite, refused = session._direct_fd, os.pwrite, []
 
     def pwrite(fd, data, offset):  # any memory but this thread's bounce buffer acts as "driver memory"
-        if fd == direct_fd and memoryview(data).obj is not getattr(local_module._BOUNCE, "buffer", None):
+        if fd == direct_fd and memoryview(data).obj is not getattr(direct_io_module._BOUNCE, "buffer", None):
             refused.append(offset)
             raise OSError(errno.EFAULT, "Bad address")
         return real_pwrite(fd, data, offset)
@@ -310,7 +312,7 @@ def test_a_direct_write_refused_midway_falls_back_to_buffered_writes(tmp_path, m
         return real_pwrite(fd, data, offset)
 
     monkeypatch.setattr(local_module.os, "pwrite", refusing_pwrite)
-    monkeypatch.setattr(local_module, "_DIRECT_IO_WARNED", set())
+    monkeypatch.setattr(direct_io_module, "_DIRECT_IO_WARNED", set())
     data = os.urandom(5 * 4096 + 100)
     with caplog.at_level(logging.WARNING, logger="lightning_datastates"):
         session.write_range(100, memoryview(data)[100:])

@@ -1,7 +1,6 @@
-"""Storage writers: one contract suite for every ``StorageWriter``, then what is specific to ``LocalWriter``.
-
-To add a backend, add a harness factory to ``HARNESSES``: it builds the writer and says how to read a committed
-object, how to plant an existing one, and how to list what an unfinished write leaves behind.
+"""What is specific to ``LocalWriter``: temporary files beside the final name, POSIX errors, ``clean_stale`` by
+process and host, removal of trees and links, the file-size limit. The contract every writer passes is in
+tests/test_storage_contract.py.
 """
 
 from __future__ import annotations
@@ -9,284 +8,19 @@ from __future__ import annotations
 import errno
 import json
 import os
-import random
 import stat
 import subprocess
 import sys
-import tempfile
 import textwrap
-import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 import lightning_datastates
-from lightning_datastates.storage import LocalWriter, StorageWriter, writer_for
-from lightning_datastates.storage.local import FOREIGN_TEMP_AGE_S, TEMP_SUFFIX, _host_tag
-
-JOIN_S = 30.0
-
-
-# ---------------------------------------------------------------------------------------------------- harnesses
-@dataclass
-class Harness:
-    """What the contract suite needs to know about one backend."""
-
-    writer: StorageWriter
-    path: Callable[[str], str]  # name -> path inside this test's scratch space
-    read: Callable[[str], bytes | None]  # committed content, None when absent
-    put: Callable[[str, bytes], None]  # plant a committed object (an earlier checkpoint)
-    leftovers: Callable[[], list]  # whatever unfinished writes left behind (temp files, pending uploads)
-
-
-def _local_harness(tmp_path: Path) -> Harness:
-    root = tmp_path / "ckpts"
-    root.mkdir()
-
-    def read(path: str) -> bytes | None:
-        return Path(path).read_bytes() if os.path.isfile(path) else None
-
-    def put(path: str, data: bytes) -> None:
-        Path(path).write_bytes(data)
-
-    def leftovers() -> list:
-        return sorted(str(p) for p in tmp_path.rglob("*") if p.name.endswith(TEMP_SUFFIX) or p.name.startswith("."))
-
-    return Harness(LocalWriter(), lambda name: str(root / name), read, put, leftovers)
-
-
-def _local_direct_harness(tmp_path: Path) -> Harness:
-    """The POSIX writer with direct I/O asked for (O_DIRECT where the file system takes it, else buffered)."""
-    local = _local_harness(tmp_path)
-    local.writer = LocalWriter(direct_io=True)
-    return local
-
-
-def _memory_harness(tmp_path: Path) -> Harness:
-    """fsspec's in-memory file system through the generic writer (a stand-in for gcs://, az://, ...)."""
-    import fsspec
-
-    from lightning_datastates.storage import GenericWriter
-
-    fs = fsspec.filesystem("memory")
-    root = f"/{tmp_path.name}"
-    fs.makedirs(root, exist_ok=True)
-
-    def read(path: str) -> bytes | None:
-        stripped = fs._strip_protocol(path)
-        return fs.cat_file(stripped) if fs.isfile(stripped) else None
-
-    def put(path: str, data: bytes) -> None:
-        fs.pipe_file(fs._strip_protocol(path), data)
-
-    def leftovers() -> list:
-        spools = [p for p in os.listdir(tempfile.gettempdir()) if p.startswith("datastates-spool-")]
-        return sorted(p for p in fs.find(root) if p.endswith(TEMP_SUFFIX)) + spools
-
-    return Harness(GenericWriter("memory"), lambda name: f"memory://{root}/{name}", read, put, leftovers)
-
-
-def _s3_harness(tmp_path: Path) -> Harness:
-    """A real S3 API (moto's server on loopback) through the S3 multipart writer; skipped without s3fs/moto."""
-    from tests.s3_server import fresh_bucket, shared_server
-
-    env = fresh_bucket(shared_server())
-    from lightning_datastates.storage.s3 import S3Writer
-
-    writer = S3Writer(env.storage_options, retries=1, timeout_s=10)
-    root = f"{tmp_path.name}/ckpts"
-    return Harness(
-        writer,
-        lambda name: env.url(f"{root}/{name}"),
-        lambda path: env.read(env.key_of(path)),
-        lambda path, data: env.put(env.key_of(path), data),
-        env.open_uploads,
-    )
-
-
-HARNESSES = {
-    "local": _local_harness,
-    "local-direct": _local_direct_harness,
-    "memory": _memory_harness,
-    "s3": _s3_harness,
-}
-
-
-@pytest.fixture(params=list(HARNESSES))
-def harness(request, tmp_path) -> Harness:
-    h = HARNESSES[request.param](tmp_path)
-    yield h
-    assert h.leftovers() == [], "a test left temporary objects behind"
-
-
-def _ranges(total: int, rng: random.Random) -> list[tuple[int, int]]:
-    """Cut [0, total) into contiguous ranges of random sizes."""
-    cuts, position = [], 0
-    while position < total:
-        size = min(total - position, rng.choice([1, 7, 64, 1000, 4096, 65536, rng.randint(1, 200_000)]))
-        cuts.append((position, size))
-        position += size
-    return cuts
-
-
-def _write_in_threads(session, data: bytes, rng: random.Random, threads: int = 4) -> None:
-    ranges = _ranges(len(data), rng)
-    rng.shuffle(ranges)
-    view = memoryview(data)
-    errors: list[BaseException] = []
-
-    def work(mine: list[tuple[int, int]]) -> None:
-        try:
-            for offset, size in mine:
-                session.write_range(offset, view[offset : offset + size])
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    workers = [threading.Thread(target=work, args=(ranges[i::threads],)) for i in range(threads)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(JOIN_S)
-    assert not any(w.is_alive() for w in workers)
-    assert errors == []
-
-
-# ---------------------------------------------------------------------------------------------------- the contract
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_parallel_out_of_order_ranges_then_complete(harness: Harness, seed: int) -> None:
-    rng = random.Random(seed)
-    data = rng.randbytes(rng.choice([1, 4096, 1_000_003, 3 * 1024**2]))
-    path = harness.path("epoch=0-step=10.ckpt")
-    session = harness.writer.begin(path, len(data))
-    assert session.path == path
-    _write_in_threads(session, data, rng)
-    assert harness.read(path) is None and not harness.writer.exists(path), "visible before complete"
-    session.complete()
-    assert harness.read(path) == data
-    assert harness.writer.exists(path)
-    assert harness.leftovers() == [], "complete left the temporary object behind"
-
-
-def test_ranges_may_come_from_slices_of_a_larger_buffer(harness: Harness) -> None:
-    arena = bytearray(range(256)) * 64
-    path = harness.path("slices.ckpt")
-    session = harness.writer.begin(path, 300)
-    session.write_range(100, memoryview(arena)[1000:1200])  # a slice not starting at the buffer's start
-    session.write_range(0, memoryview(arena)[5:105])
-    session.complete()
-    assert harness.read(path) == bytes(arena[5:105]) + bytes(arena[1000:1200])
-
-
-def test_final_path_appears_only_at_complete(harness: Harness) -> None:
-    path = harness.path("new.ckpt")
-    session = harness.writer.begin(path, 10)
-    assert not harness.writer.exists(path)
-    session.write_range(0, memoryview(b"0123456789"))
-    assert not harness.writer.exists(path)
-    session.complete()
-    assert harness.read(path) == b"0123456789"
-
-
-def test_overwrite_keeps_old_content_until_complete(harness: Harness) -> None:
-    path = harness.path("last.ckpt")
-    harness.put(path, b"old checkpoint")
-    session = harness.writer.begin(path, 20)
-    session.write_range(0, memoryview(b"N" * 20))
-    assert harness.read(path) == b"old checkpoint"
-    session.complete()
-    assert harness.read(path) == b"N" * 20
-
-
-def test_overwrite_with_a_shorter_file_leaves_no_old_tail(harness: Harness) -> None:
-    path = harness.path("last.ckpt")
-    harness.put(path, b"x" * 5000)
-    session = harness.writer.begin(path, 3)
-    session.write_range(0, memoryview(b"abc"))
-    session.complete()
-    assert harness.read(path) == b"abc"
-
-
-def test_abort_leaves_the_old_file_intact(harness: Harness) -> None:
-    path = harness.path("last.ckpt")
-    harness.put(path, b"precious")
-    session = harness.writer.begin(path, 1 << 16)
-    session.write_range(0, memoryview(os.urandom(1 << 16)))
-    session.abort()
-    assert harness.read(path) == b"precious"
-    assert harness.leftovers() == [], "abort left the temporary object behind"
-    session.abort()  # safe to call more than once
-    assert harness.read(path) == b"precious"
-
-
-def test_abort_of_a_new_path_publishes_nothing(harness: Harness) -> None:
-    path = harness.path("never.ckpt")
-    session = harness.writer.begin(path, 8)
-    session.write_range(0, memoryview(b"12345678"))
-    session.abort()
-    assert not harness.writer.exists(path)
-    assert harness.read(path) is None
-
-
-def test_abort_before_any_write(harness: Harness) -> None:
-    session = harness.writer.begin(harness.path("empty.ckpt"), 100)
-    session.abort()
-    assert not harness.writer.exists(harness.path("empty.ckpt"))
-
-
-def test_concurrent_sessions_for_one_path_publish_the_last_completed(harness: Harness) -> None:
-    path = harness.path("same.ckpt")
-    first = harness.writer.begin(path, 5)
-    second = harness.writer.begin(path, 6)
-    second.write_range(0, memoryview(b"second"))
-    first.write_range(0, memoryview(b"first"))
-    first.complete()
-    assert harness.read(path) == b"first"
-    second.complete()
-    assert harness.read(path) == b"second"
-
-
-def test_aborting_one_session_does_not_disturb_another(harness: Harness) -> None:
-    path = harness.path("same.ckpt")
-    kept = harness.writer.begin(path, 4)
-    dropped = harness.writer.begin(path, 4)
-    kept.write_range(0, memoryview(b"keep"))
-    dropped.write_range(0, memoryview(b"drop"))
-    dropped.abort()
-    kept.complete()
-    assert harness.read(path) == b"keep"
-
-
-def test_many_paths_in_parallel(harness: Harness) -> None:
-    rng = random.Random(5)
-    payloads = {harness.path(f"epoch={i}.ckpt"): rng.randbytes(rng.randint(1, 300_000)) for i in range(6)}
-    sessions = {path: harness.writer.begin(path, len(data)) for path, data in payloads.items()}
-    for path, data in payloads.items():
-        _write_in_threads(sessions[path], data, rng, threads=3)
-    for session in sessions.values():
-        session.complete()
-    for path, data in payloads.items():
-        assert harness.read(path) == data
-
-
-def test_remove_deletes_and_ignores_missing(harness: Harness) -> None:
-    path = harness.path("gone.ckpt")
-    session = harness.writer.begin(path, 3)
-    session.write_range(0, memoryview(b"abc"))
-    session.complete()
-    harness.writer.remove(path)
-    assert not harness.writer.exists(path) and harness.read(path) is None
-    harness.writer.remove(path)  # already gone: not an error
-    harness.writer.remove(harness.path("never-existed.ckpt"))
-
-
-def test_clean_stale_on_a_clean_directory_removes_nothing(harness: Harness) -> None:
-    path = harness.path("kept.ckpt")
-    harness.put(path, b"data")
-    assert harness.writer.clean_stale(os.path.dirname(path)) == []
-    assert harness.read(path) == b"data"
+from lightning_datastates.storage import LocalWriter, writer_for
+from lightning_datastates.storage.leftovers import DEFAULT_STALE_AGE_S, TEMP_SUFFIX, host_tag
+from tests.test_storage_contract import JOIN_S
 
 
 # ---------------------------------------------------------------------------------------------------- LocalWriter
@@ -307,7 +41,7 @@ def test_local_temp_file_lives_beside_the_final_name(ckpt_dir: Path) -> None:
     temp = Path(session.temp_path)
     assert temp.parent == ckpt_dir  # same directory: same file system, atomic rename
     assert temp.name.startswith(".epoch=1.ckpt.") and temp.name.endswith(TEMP_SUFFIX)
-    assert f".{_host_tag()}.{os.getpid()}." in temp.name
+    assert f".{host_tag()}.{os.getpid()}." in temp.name
     assert not temp.name.endswith(".ckpt")  # never picked up by *.ckpt globs
     assert temp.exists()
     session.write_range(0, memoryview(b"abcd"))
@@ -425,7 +159,7 @@ def test_local_long_but_valid_file_name(ckpt_dir: Path) -> None:
 
 # ---------------------------------------------------------------------------------------------------- clean_stale
 def _temp_name(final: str, pid: int, host: str | None = None, token: str = "0123abcd") -> str:
-    return f".{final}.{host or _host_tag()}.{pid}.{token}{TEMP_SUFFIX}"
+    return f".{final}.{host or host_tag()}.{pid}.{token}{TEMP_SUFFIX}"
 
 
 def _dead_pid() -> int:
@@ -451,8 +185,8 @@ def test_clean_stale_removes_temps_of_dead_processes_only(ckpt_dir: Path, live_c
         ckpt_dir / "epoch=0.ckpt",
         ckpt_dir / ".hidden",
         ckpt_dir / f"plain{TEMP_SUFFIX}",  # suffix, but not our naming scheme
-        ckpt_dir / f".x.{_host_tag()}.notapid.0123abcd{TEMP_SUFFIX}",
-        ckpt_dir / f".x.{_host_tag()}.1.ZZZZZZZZ{TEMP_SUFFIX}",
+        ckpt_dir / f".x.{host_tag()}.notapid.0123abcd{TEMP_SUFFIX}",
+        ckpt_dir / f".x.{host_tag()}.1.ZZZZZZZZ{TEMP_SUFFIX}",
     ]
     for file in [dead, live, parent, mine, *unrelated]:
         file.write_bytes(b"partial")
@@ -470,7 +204,7 @@ def test_clean_stale_removes_old_temps_of_other_hosts_only(ckpt_dir: Path) -> No
     recent = ckpt_dir / _temp_name("b.ckpt", 12346, host="other-node-7")
     for file in (old, recent):
         file.write_bytes(b"partial")
-    long_ago = time.time() - FOREIGN_TEMP_AGE_S - 60
+    long_ago = time.time() - DEFAULT_STALE_AGE_S - 60
     os.utime(old, (long_ago, long_ago))
     removed = LocalWriter().clean_stale(str(ckpt_dir))
     assert removed == [str(old)]

@@ -1,6 +1,6 @@
 """S3 through the multipart writer, against a real S3 API on loopback (moto's server; see tests/s3_server.py).
 
-The storage contract suite runs against S3 too (the "s3" harness of tests/test_local_storage.py); here is what is
+The storage contract suite runs against S3 too (the "s3" harness of tests/test_storage_contract.py); here is what is
 specific to S3: multipart parts, back-pressure, failures of the server (a vanished upload, SIGSTOP, SIGKILL), stale
 uploads, and the Trainer round trip on ``s3://`` URLs.
 """
@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_datastates import CheckpointFlushError, DataStatesIO
 from lightning_datastates.errors import ConfigError
-from lightning_datastates.load.reader import fetch_into_memfd, load_checkpoint
+from lightning_datastates.load.reader import load_checkpoint
 from lightning_datastates.storage import writer_for
 from lightning_datastates.storage.s3 import (
     MAX_PART_BYTES,
@@ -30,6 +30,7 @@ from lightning_datastates.storage.s3 import (
     S3NotFoundError,
     S3WriteError,
     S3Writer,
+    fetch_into_memfd,
     plan_parts,
 )
 from lightning_datastates.streams import BufferReader
@@ -41,7 +42,7 @@ from tests.s3_server import (  # noqa: F401 - the *_fixture imports register the
     s3_endpoint_fixture,
     s3_fixture,
 )
-from tests.test_local_storage import JOIN_S, _write_in_threads
+from tests.test_storage_contract import JOIN_S, _write_in_threads
 
 MiB = 1024**2
 P = 5 * MiB  # the smallest part S3 (and moto) accepts
@@ -175,6 +176,32 @@ def test_begin_in_a_missing_bucket_fails_at_once_naming_the_path(s3):
     with pytest.raises(S3NotFoundError) as raised:
         writer.begin("s3://no-such-bucket/run/x.ckpt", 3 * P)
     assert "s3://no-such-bucket/run/x.ckpt" in str(raised.value) and isinstance(raised.value, OSError)
+
+
+def test_a_writer_built_before_a_fork_works_in_the_child(s3):
+    """s3fs file systems are not fork-safe: the writer builds new clients in a forked child (ddp_fork builds the
+    plugin before forking)."""
+    writer = _writer(s3)
+    writer.exists(s3.url("run/warm"))  # the parent's clients are in use
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit status only
+        try:
+            session = writer.begin(s3.url("run/child.ckpt"), 5)
+            session.write_range(0, memoryview(b"child"))
+            session.complete()
+            os._exit(0 if writer.exists(s3.url("run/child.ckpt")) else 1)
+        except BaseException:  # noqa: BLE001
+            os._exit(2)
+    deadline = time.monotonic() + JOIN_S  # hang guard: a child on the parent's clients waits forever
+    while (ended := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if ended[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung on the parent's S3 clients")
+    status = ended[1]
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert s3.read("run/child.ckpt") == b"child" and writer.exists(s3.url("run/child.ckpt"))
 
 
 # ---------------------------------------------------------------------------------------------------- other operations

@@ -1,5 +1,9 @@
 """Load checkpoints written by :class:`~lightning_datastates.DataStatesIO` (or by anything else torch can read).
 
+The storage says how it can be read (see :mod:`~lightning_datastates.storage.base`): as a local file with a real
+descriptor (``open_local``: local files, S3 objects fetched into memory), whole into memory (``read_bytes``), or as a
+stream (``open_read``). This module knows no backend.
+
 Local files: with ``verify_checksums`` (the default) every record is checked against its CRC-32 first, in parallel
 threads over a read-only mapping (:mod:`~lightning_datastates.load.integrity`), which also brings the whole file
 into the page cache; then ``torch.load(mmap=True)`` maps the *same open file* (through ``/proc/self/fd``, so a
@@ -20,15 +24,13 @@ S3 objects from a ``bytearray``: slower, same results. ``map_location`` and ``we
 from __future__ import annotations
 
 import logging
-import mmap
 import os
-from typing import IO, Any, cast
+from typing import IO, Any, BinaryIO, cast
 
 import torch
 
-from lightning_datastates.load.integrity import IntegrityReport, verify_buffer, verify_file, verify_open_file
-from lightning_datastates.storage import LocalWriter, StorageWriter, local_path
-from lightning_datastates.storage.s3 import S3Writer
+from lightning_datastates.load.integrity import IntegrityReport, verify_buffer, verify_open_file
+from lightning_datastates.storage.base import StorageWriter
 from lightning_datastates.streams import BufferReader
 
 log = logging.getLogger("lightning_datastates")
@@ -52,27 +54,15 @@ def load_checkpoint(
         FileNotFoundError: nothing at ``path``.
         CheckpointCorruptError: with ``verify_checksums``, a record does not match its CRC-32 (names the record).
     """
-    if isinstance(writer, LocalWriter):
-        try:
-            file = open(local_path(path), "rb")
-        except FileNotFoundError:
-            raise FileNotFoundError(f"Checkpoint file not found: {path}") from None
+    file = _open_local(writer, path, read_ahead=not verify_checksums)  # read ahead while torch unpickles
+    if file is not None:
         with file:
             if verify_checksums:
                 _note_unchecked(verify_open_file(file, path))
-            elif hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)  # read ahead while torch unpickles
             return load_open_file(file, map_location, weights_only)
-    if not writer.exists(path):
-        raise FileNotFoundError(f"Checkpoint file not found: {path}")
-    if isinstance(writer, S3Writer) and hasattr(os, "memfd_create"):
-        fd = fetch_into_memfd(writer, path)
-        with os.fdopen(fd, "rb") as file:
-            if verify_checksums:
-                _note_unchecked(verify_open_file(file, path))
-            return load_open_file(file, map_location, weights_only)
-    if isinstance(writer, S3Writer) or verify_checksums:
-        buffer = read_whole(writer, path)
+    _require(writer, path)
+    if verify_checksums or writer.prefers_whole_reads:
+        buffer = writer.read_bytes(path)
         if verify_checksums:
             _note_unchecked(verify_buffer(buffer, path))
         # torch reads storages with readinto straight from the buffer: no second full copy (BytesIO would make one).
@@ -96,42 +86,6 @@ def load_open_file(file: Any, map_location: Any = None, weights_only: bool | Non
     return torch.load(file, map_location=map_location, weights_only=weights_only)
 
 
-def fetch_into_memfd(writer: S3Writer, path: str) -> int:
-    """Fetch the object at ``path`` into a new anonymous in-memory file; return its descriptor (the caller closes
-    it). The bytes live in host memory (shmem), counted against this process's memory limits like any allocation.
-
-    Raises:
-        S3NotFoundError: nothing at ``path``.
-        S3WriteError: a request failed (after retries).
-    """
-    fd = os.memfd_create("datastates-load", os.MFD_CLOEXEC)
-    mappings: list[mmap.mmap] = []
-    try:
-
-        def allocate(size: int) -> memoryview:
-            for old in mappings:  # a retry after the object changed: start over
-                old.close()
-            mappings.clear()
-            os.ftruncate(fd, 0)
-            os.ftruncate(fd, size)
-            if size == 0:
-                return memoryview(bytearray())
-            mappings.append(mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE))
-            return memoryview(mappings[0])
-
-        writer.read_into(path, allocate)
-    except BaseException:
-        os.close(fd)
-        raise
-    finally:
-        for mapping in mappings:
-            try:
-                mapping.close()
-            except BufferError:  # a range's view not yet collected: the mapping goes with it (same pages anyway)
-                pass
-    return fd
-
-
 def verify_checkpoint(writer: StorageWriter, path: str) -> IntegrityReport:
     """Check every record of the committed checkpoint at ``path`` against its CRC-32, without unpickling it.
 
@@ -139,19 +93,25 @@ def verify_checkpoint(writer: StorageWriter, path: str) -> IntegrityReport:
         FileNotFoundError: nothing at ``path``.
         CheckpointCorruptError: a record does not match its CRC-32, or the archive is damaged.
     """
+    file = _open_local(writer, path, read_ahead=False)
+    if file is not None:
+        with file:
+            return verify_open_file(file, path)
+    _require(writer, path)
+    return verify_buffer(writer.read_bytes(path), path)
+
+
+def _open_local(writer: StorageWriter, path: str, read_ahead: bool) -> BinaryIO | None:
+    """``writer.open_local(path)``, with the message of a missing file the same for every storage (Lightning's)."""
+    try:
+        return writer.open_local(path, read_ahead=read_ahead)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"Checkpoint file not found: {path}") from exc
+
+
+def _require(writer: StorageWriter, path: str) -> None:
     if not writer.exists(path):
         raise FileNotFoundError(f"Checkpoint file not found: {path}")
-    if isinstance(writer, LocalWriter):
-        return verify_file(local_path(path))
-    return verify_buffer(read_whole(writer, path), path)
-
-
-def read_whole(writer: StorageWriter, path: str) -> bytes | bytearray:
-    """All bytes of the committed file at ``path`` (S3: concurrent ranged GETs)."""
-    if isinstance(writer, S3Writer):
-        return writer.read_bytes(path)
-    with writer.open_read(path) as stream:
-        return stream.read()
 
 
 def _note_unchecked(report: IntegrityReport) -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from lightning_datastates.config import DirectIO
 from lightning_datastates.storage.base import StorageWriter, WriteSession
 from lightning_datastates.storage.generic import GenericWriter, protocol_of
 from lightning_datastates.storage.local import LocalWriter, is_local_path, local_path
+
+if TYPE_CHECKING:  # config imports this package (its stale-age default): no import back at run time
+    from lightning_datastates.config import DirectIO
 
 __all__ = ["GenericWriter", "LocalWriter", "StorageWriter", "WriteSession", "is_local_path", "local_path", "writer_for"]
 

@@ -1,6 +1,6 @@
-"""The storage seam: one writer per backend behind one small interface.
+"""The storage seam: one writer per backend behind one small interface, for writing and reading checkpoints.
 
-Call order, per checkpoint:
+Call order, per checkpoint written:
   1) ``writer.begin(path, total_bytes)`` on the training thread, at capture (so a bad path fails at once);
   2) ``session.write_range(offset, data)`` any number of times, from several writer threads at once, in any
      order, never overlapping;
@@ -8,6 +8,22 @@ Call order, per checkpoint:
      under ``path``, whole) or ``session.abort()`` (nothing becomes visible; safe to call more than once).
 
 The commit lives in ``complete``: a backend must never publish a partially written checkpoint.
+
+Reading a committed checkpoint (on the thread that loads, usually the training thread; see
+:mod:`~lightning_datastates.load.reader`), the first that the backend offers:
+  1) ``writer.open_local(path, read_ahead=...)``: a local file with a real descriptor, which the reader verifies
+     through a mapping and torch maps (``mmap=True``): local files themselves; S3 objects fetched into an in-memory
+     file. None where the backend has none;
+  2) ``writer.read_bytes(path)``: the whole file in memory (verified there, loaded from there);
+  3) ``writer.open_read(path)``: a stream (unverified loads where whole reads are no faster,
+     :attr:`StorageWriter.prefers_whole_reads`; the command line's metadata-only ``inspect``).
+
+The read operations are methods of the writer rather than a reader class beside it (as fsspec's file systems
+override ``cat_file`` and keep the default elsewhere): a backend's reads share its client, settings and path rules
+(the S3 writer's connection pools, retries and timeouts), and the plugin keeps one object per protocol.
+
+A writer may be built once per protocol and reused (the plugin keeps one): for many paths, saves, loads and clean-ups,
+from several threads at once (the training thread begins, loads and cleans while writer threads write).
 """
 
 from __future__ import annotations
@@ -16,9 +32,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Hashable
 from typing import BinaryIO
 
-#: Leftovers whose writer cannot be asked whether it is alive (a temporary file of another host, an S3 upload with
-#: no marker) are removed by :meth:`StorageWriter.clean_stale` once they are this old.
-DEFAULT_STALE_AGE_S = 3600.0
+from lightning_datastates.storage.leftovers import DEFAULT_STALE_AGE_S
+
+__all__ = ["DEFAULT_STALE_AGE_S", "StorageWriter", "WriteSession"]
 
 
 class WriteSession(ABC):
@@ -51,7 +67,12 @@ class WriteSession(ABC):
 
 
 class StorageWriter(ABC):
-    """A storage backend: starts write sessions and removes or checks committed files."""
+    """A storage backend: starts write sessions, reads, checks and removes committed files, cleans leftovers."""
+
+    #: Whether a load that does not verify checksums still reads the whole file with :meth:`read_bytes` (where that is
+    #: faster than streaming through :meth:`open_read`: S3's concurrent ranged GETs); else it streams (no second copy
+    #: of the file in memory).
+    prefers_whole_reads: bool = False
 
     @abstractmethod
     def begin(self, path: str, total_bytes: int) -> WriteSession:
@@ -67,7 +88,27 @@ class StorageWriter(ABC):
 
     @abstractmethod
     def open_read(self, path: str) -> BinaryIO:
-        """A binary file object reading the committed file at ``path``."""
+        """A binary file object reading the committed file at ``path``, as a stream (nothing read ahead of need)."""
+
+    def open_local(self, path: str, *, read_ahead: bool = False) -> BinaryIO | None:
+        """The committed file at ``path`` as an open local file with a real descriptor (the caller closes it), ready
+        to be mapped; None (the default) where this backend has none, then :meth:`read_bytes` or :meth:`open_read`.
+
+        ``read_ahead``: the caller is about to read all of it (a backend may ask the kernel to read ahead).
+
+        Raises:
+            FileNotFoundError: nothing at ``path``.
+        """
+        return None
+
+    def read_bytes(self, path: str) -> bytes | bytearray:
+        """All bytes of the committed file at ``path``; by default read through :meth:`open_read`.
+
+        Raises:
+            FileNotFoundError: nothing at ``path``.
+        """
+        with self.open_read(path) as stream:
+            return stream.read()
 
     def fingerprint(self, path: str) -> Hashable | None:
         """A cheap token that changes whenever the committed file at ``path`` is replaced or changed (metadata

@@ -5,6 +5,9 @@ spooled into a local temporary file with ``os.pwrite``. The commit uploads the s
 name beside the target and moves it onto the final name: object stores copy server-side (the final object
 appears whole or not at all), file-system-like backends rename. Nothing partial is ever visible under the final
 name, and an earlier checkpoint there stays intact until the move.
+
+Temporary objects are named as local temporary files (``.<name>.<host>.<pid>.<token>.datastates-tmp``) and cleaned by
+the same rule (see :mod:`~lightning_datastates.storage.leftovers`).
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import os
 import posixpath
 import tempfile
 import time
-import uuid
 from collections.abc import Hashable
 from typing import Any, BinaryIO
 
@@ -23,8 +25,15 @@ import fsspec
 from fsspec.core import split_protocol
 
 from lightning_datastates.errors import ConfigError
-from lightning_datastates.storage.base import DEFAULT_STALE_AGE_S, StorageWriter
-from lightning_datastates.storage.local import TEMP_SUFFIX, PositionalFileSession
+from lightning_datastates.storage.base import StorageWriter
+from lightning_datastates.storage.leftovers import (
+    DEFAULT_STALE_AGE_S,
+    TEMP_SUFFIX,
+    leftover_name,
+    parse_leftover_name,
+    writer_gone,
+)
+from lightning_datastates.storage.local import PositionalFileSession
 
 
 class GenericWriteSession(PositionalFileSession):
@@ -36,7 +45,7 @@ class GenericWriteSession(PositionalFileSession):
         self._fs = fs
         self._remote_path = remote_path
         directory, name = posixpath.split(remote_path)
-        self._remote_temp = posixpath.join(directory, f".{name}.{uuid.uuid4().hex[:8]}{TEMP_SUFFIX}")
+        self._remote_temp = posixpath.join(directory, leftover_name(name, TEMP_SUFFIX))
 
     def complete(self) -> None:
         """Upload the spool under a temporary name, then move it onto the final name."""
@@ -122,7 +131,8 @@ class GenericWriter(StorageWriter):
             self.fs.rm(remote, recursive=True)
 
     def clean_stale(self, directory: str, max_age_s: float = DEFAULT_STALE_AGE_S) -> list[str]:
-        """Remove temporary objects older than ``max_age_s`` (their writer cannot be asked whether it is alive)."""
+        """Remove temporary objects of dead processes on this host, and others (another host's; one named without
+        its writer) once older than ``max_age_s``."""
         remote = self._strip(directory)
         try:
             entries = self.fs.ls(remote, detail=True)
@@ -132,10 +142,14 @@ class GenericWriter(StorageWriter):
         now = time.time()
         for entry in entries:
             name = entry["name"]
-            if not posixpath.basename(name).endswith(TEMP_SUFFIX):
+            basename = posixpath.basename(name)
+            if not basename.endswith(TEMP_SUFFIX):
                 continue
+            leftover = parse_leftover_name(basename, TEMP_SUFFIX)  # None: named without its writer (older versions)
             modified = _modified_time(entry)
-            if modified is None or now - modified > max_age_s:
+            age_s = None if modified is None else now - modified
+            # This writer does not track its sessions: any temporary object of this process may be one in flight.
+            if writer_gone(None if leftover is None else leftover.owner, age_s, max_age_s, tracks_own_writes=False):
                 self.fs.rm(name)
                 removed.append(name)
         return removed

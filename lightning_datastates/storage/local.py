@@ -5,69 +5,44 @@ and, on Lustre, the file inherits the directory's striping), ``fsync`` it, ``os.
 name, ``fsync`` the directory so the rename itself survives a power loss. Ranges are written with
 ``os.pwrite`` from several threads at once.
 
-Direct I/O (``LocalWriter(direct_io="auto" or True)``, as ``DataStatesIO(direct_io=...)`` sets it; the plugin's
-default is ``"auto"``, which keeps network, FUSE and memory file systems on the page cache, see
-:func:`direct_io_suits`): the temporary file is opened a second time with ``O_DIRECT``, and the whole aligned blocks of
-every range are written through that descriptor, bypassing the page cache (straight from memory whose address agrees
-with the file offset modulo the block size, as the engine lays out its arena; through a small aligned bounce buffer
-otherwise); the unaligned head and tail of a range and the metadata go through the buffered descriptor. Where the
-file system refuses ``O_DIRECT`` (at open or at the first write) everything goes through the page cache: silently
-with ``"auto"`` (a debug log), with a warning once per directory with ``True``. The commit is the same either way.
-
-Why direct I/O by default: a checkpoint is written once and rarely read back through the page cache (loads of the
-newest one are served from the host arena), so buffered writes only cost the kernel's copy into freshly allocated
-page-cache pages, and their writeback. On a virtual machine whose host reclaims the guest's free memory (free page
-reporting) those fresh pages are expensive: measured here, buffered writes of new files ran at 0.3 GB/s of system
-CPU time while direct writes from the reused arena ran at device speed.
+Direct I/O (``LocalWriter(direct_io="auto" or True)``, as ``DataStatesIO(direct_io=...)`` sets it): whole aligned
+blocks of every range go through a second, ``O_DIRECT`` descriptor of the temporary file; see
+:mod:`~lightning_datastates.storage.direct_io`. The commit is the same either way.
 
 Temporary files are named ``.<name>.<host>.<pid>.<token>.datastates-tmp``: hidden, never matching
-``*.ckpt``, and telling :meth:`LocalWriter.clean_stale` which process left them.
+``*.ckpt``, and telling :meth:`LocalWriter.clean_stale` which process left them (see
+:mod:`~lightning_datastates.storage.leftovers`).
+
+Loads map the committed file itself (:meth:`LocalWriter.open_local`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
-import functools
-import logging
-import mmap
 import os
-import re
 import shutil
-import socket
 import threading
 import time
-import uuid
 from collections.abc import Hashable, Iterator
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
-from lightning_datastates.config import DirectIO
-from lightning_datastates.storage.base import DEFAULT_STALE_AGE_S, StorageWriter, WriteSession
-
-TEMP_SUFFIX = ".datastates-tmp"
-_TEMP_PATTERN = re.compile(
-    r"^\.(?P<name>.+)\.(?P<host>[^.]+)\.(?P<pid>\d+)\.(?P<token>[0-9a-f]{8})" + re.escape(TEMP_SUFFIX) + "$"
+from lightning_datastates.alignment import PAGE_ALIGNMENT_BYTES, align_up
+from lightning_datastates.storage.base import StorageWriter, WriteSession
+from lightning_datastates.storage.direct_io import direct_io_suits, no_direct_io, open_direct, write_all, write_direct
+from lightning_datastates.storage.leftovers import (
+    DEFAULT_STALE_AGE_S,
+    TEMP_SUFFIX,
+    leftover_name,
+    parse_leftover_name,
+    writer_gone,
 )
-log = logging.getLogger("lightning_datastates")
 
-#: Offsets, lengths and memory addresses of direct writes are multiples of this: the page size, at least 4 KiB (every
-#: common device's logical block size divides it). A whole page, so that the partial pages written through the page
-#: cache never share a page with a direct write (64 KiB pages on some ARM and POWER kernels).
-DIRECT_IO_ALIGNMENT = max(4096, mmap.PAGESIZE)
-#: Size of the per-thread aligned buffer that direct writes from unaligned memory are copied through.
-BOUNCE_BYTES = 8 * 1024**2
-#: Directories already warned about for refusing direct I/O (one warning each per process).
-_DIRECT_IO_WARNED: set[str] = set()
-_BOUNCE = threading.local()
-#: File system types ``direct_io="auto"`` writes to with ``O_DIRECT`` (see :func:`direct_io_suits`).
-_DIRECT_IO_FILE_SYSTEMS = frozenset(
-    {"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs", "bcachefs", "jfs", "overlay", "lustre", "gpfs"}
-)
+if TYPE_CHECKING:  # config imports the storage package (its stale-age default): no import back at run time
+    from lightning_datastates.config import DirectIO
+
 #: Longest file name most POSIX file systems accept.
 _MAX_NAME_BYTES = 255
-#: A temporary file of another host is only removed once untouched this long by default: its writer may be alive.
-FOREIGN_TEMP_AGE_S = DEFAULT_STALE_AGE_S
 
 
 def is_local_path(path: str) -> bool:
@@ -78,10 +53,6 @@ def is_local_path(path: str) -> bool:
 def local_path(path: str) -> str:
     """``path`` without a ``file://`` prefix."""
     return path[len("file://") :] if path.startswith("file://") else path
-
-
-def _host_tag() -> str:
-    return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
 
 
 class PositionalFileSession(WriteSession):
@@ -111,8 +82,8 @@ class PositionalFileSession(WriteSession):
 
     @property
     def direct_alignment(self) -> int | None:  # type: ignore[override]
-        """:data:`DIRECT_IO_ALIGNMENT` while whole aligned blocks go through ``O_DIRECT``; else None."""
-        return None if self._direct_fd is None else DIRECT_IO_ALIGNMENT
+        """``PAGE_ALIGNMENT_BYTES`` while whole aligned blocks go through ``O_DIRECT``; else None."""
+        return None if self._direct_fd is None else PAGE_ALIGNMENT_BYTES
 
     def write_range(self, offset: int, data: memoryview) -> None:
         """``pwrite`` all of ``data`` at ``offset`` (retrying short writes); with direct I/O, its whole aligned
@@ -125,8 +96,8 @@ class PositionalFileSession(WriteSession):
         if fd is None:
             raise RuntimeError(f"write to {self.path} after its session ended")
         view = memoryview(data).cast("B")
-        start = -(-offset // DIRECT_IO_ALIGNMENT) * DIRECT_IO_ALIGNMENT
-        stop = (offset + view.nbytes) // DIRECT_IO_ALIGNMENT * DIRECT_IO_ALIGNMENT
+        start = align_up(offset)
+        stop = (offset + view.nbytes) // PAGE_ALIGNMENT_BYTES * PAGE_ALIGNMENT_BYTES
         direct_fd = self._direct_fd
         with out_of_space_named(self.path):
             if direct_fd is None or stop <= start:
@@ -135,11 +106,11 @@ class PositionalFileSession(WriteSession):
             if start > offset:
                 write_all(fd, view[: start - offset], offset)
             try:
-                _write_direct(direct_fd, view[start - offset : stop - offset], start)
+                write_direct(direct_fd, view[start - offset : stop - offset], start)
             except OSError as exc:
                 if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                     raise
-                _no_direct_io(os.path.dirname(self.path) or ".", exc, self._warn_refused)
+                no_direct_io(os.path.dirname(self.path) or ".", exc, self._warn_refused)
                 with self._lock:  # several writers may be refused at once: the descriptor is retired exactly once
                     if self._direct_fd == direct_fd:
                         self._direct_fd = None  # other threads may still use the descriptor: closed with the session
@@ -228,17 +199,14 @@ class LocalWriter(StorageWriter):
                 "name (ModelCheckpoint's filename, or Trainer.save_checkpoint('dir/name.ckpt'))",
             )
         directory = os.path.dirname(path) or "."
-        suffix = f".{_host_tag()}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TEMP_SUFFIX}"
-        # Shorten the name part if needed: a valid checkpoint name must not make the temporary name too long.
-        name = os.path.basename(path)[: max(1, _MAX_NAME_BYTES - 1 - len(suffix))]
-        temp_path = os.path.join(directory, f".{name}{suffix}")
+        temp_path = os.path.join(directory, leftover_name(os.path.basename(path), TEMP_SUFFIX, _MAX_NAME_BYTES))
         with _unwritable_directory_named(directory):
             os.makedirs(directory, exist_ok=True)
             fd = os.open(temp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         warn = self.direct_io is True
         try:
             wanted = warn or (self.direct_io == "auto" and direct_io_suits(directory))
-            direct_fd = _open_direct(temp_path, directory, warn) if wanted else None
+            direct_fd = open_direct(temp_path, directory, warn) if wanted else None
         except BaseException:  # EMFILE, ENOMEM, ...: leave neither a descriptor nor the temporary file behind
             os.close(fd)
             with contextlib.suppress(OSError):
@@ -253,6 +221,22 @@ class LocalWriter(StorageWriter):
     def open_read(self, path: str) -> BinaryIO:
         """Open ``path`` for reading."""
         return open(local_path(path), "rb")
+
+    def open_local(self, path: str, *, read_ahead: bool = False) -> BinaryIO:
+        """The file at ``path`` itself, open for reading; with ``read_ahead``, the kernel is asked to read all of it
+        ahead (``POSIX_FADV_WILLNEED``: it reads while torch unpickles).
+
+        Raises:
+            FileNotFoundError: nothing at ``path``.
+        """
+        file = open(local_path(path), "rb")
+        if read_ahead and hasattr(os, "posix_fadvise"):
+            try:
+                os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
+            except BaseException:
+                file.close()
+                raise
+        return file
 
     def fingerprint(self, path: str) -> Hashable | None:
         """Device, inode, size and modification time of ``path`` (one ``stat``); None if it is missing.
@@ -285,20 +269,18 @@ class LocalWriter(StorageWriter):
         except (FileNotFoundError, NotADirectoryError, PermissionError):
             return []  # nothing there, or nothing we may clean (writing there then fails with the fix named)
         removed = []
-        host, now = _host_tag(), time.time()
+        now = time.time()
         for name in names:
-            match = _TEMP_PATTERN.match(name)
-            if match is None:
+            leftover = parse_leftover_name(name, TEMP_SUFFIX)
+            if leftover is None:
                 continue
             full = os.path.join(directory, name)
-            if match["host"] == host:
-                stale = int(match["pid"]) != os.getpid() and not _pid_alive(int(match["pid"]))
-            else:
-                try:
-                    stale = now - os.stat(full).st_mtime > max_age_s
-                except FileNotFoundError:
-                    continue
-            if stale:
+            try:
+                age_s = now - os.stat(full).st_mtime
+            except FileNotFoundError:
+                continue
+            # This writer does not track its sessions: any temporary file of this process may be one in flight.
+            if writer_gone(leftover.owner, age_s, max_age_s, tracks_own_writes=False):
                 try:
                     os.unlink(full)
                     removed.append(full)
@@ -348,125 +330,6 @@ def out_of_space_named(path: str) -> Iterator[None]:
             f"{exc.strerror} while writing {path}: free space on its file system, raise the quota or the file-size "
             "limit (ulimit -f), or write checkpoints elsewhere",
         ) from exc
-
-
-def write_all(fd: int, data: memoryview, offset: int) -> None:
-    """``os.pwrite`` all of ``data`` at ``offset``, retrying short writes."""
-    view = memoryview(data).cast("B")
-    while view.nbytes:
-        written = os.pwrite(fd, view, offset)
-        view = view[written:]
-        offset += written
-
-
-@functools.lru_cache(maxsize=256)
-def direct_io_suits(directory: str) -> bool:
-    """Whether ``direct_io="auto"`` writes into ``directory`` with ``O_DIRECT``: on file systems of local block
-    devices and on parallel file systems (Lustre, GPFS), where large aligned writes go straight to the device; not
-    on network and FUSE file systems (NFS, SMB, ...: each direct write becomes a synchronous request, slower than
-    the client's own write-back), nor on tmpfs (memory either way). Unknown (no mount table): True, and a file
-    system that refuses ``O_DIRECT`` still falls back to the page cache. Answered once per directory: the mount
-    table is not read again on every save."""
-    fstype = _file_system_type(os.path.realpath(directory))
-    return fstype is None or fstype in _DIRECT_IO_FILE_SYSTEMS
-
-
-def _file_system_type(path: str, mountinfo_path: str = "/proc/self/mountinfo") -> str | None:
-    """The type of the file system mounted at the longest mount point containing ``path`` (Linux), or None."""
-    try:
-        with open(mountinfo_path, encoding="utf-8", errors="replace") as mountinfo:
-            lines = mountinfo.readlines()
-    except OSError:
-        return None
-    best, fstype = "", None
-    for line in lines:
-        fields = line.split()
-        separator = fields.index("-", 6) if "-" in fields[6:] else len(fields)
-        if separator + 1 >= len(fields):
-            continue  # not a mountinfo line
-        # Octal escapes (\040 for a space) in the mount point; the type follows the "-" separator.
-        mount_point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
-        inside = path == mount_point or path.startswith(mount_point.rstrip("/") + "/")
-        if inside and len(mount_point) >= len(best):
-            best, fstype = mount_point, fields[separator + 1]
-    return fstype
-
-
-def _open_direct(temp_path: str, directory: str, warn: bool) -> int | None:
-    """A second, ``O_DIRECT`` descriptor of the new temporary file; None if refused (warned once with ``warn``)."""
-    flag = getattr(os, "O_DIRECT", None)
-    if flag is None:
-        _no_direct_io(directory, OSError(errno.EOPNOTSUPP, "O_DIRECT does not exist on this platform"), warn)
-        return None
-    try:
-        return os.open(temp_path, os.O_WRONLY | flag | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-            raise
-        _no_direct_io(directory, exc, warn)
-        return None
-
-
-def _no_direct_io(directory: str, exc: OSError, warn: bool) -> None:
-    """Say once per directory that it refuses direct I/O: a warning if it was asked for, else a debug log."""
-    if directory in _DIRECT_IO_WARNED:
-        return
-    _DIRECT_IO_WARNED.add(directory)
-    log.log(
-        logging.WARNING if warn else logging.DEBUG,
-        "lightning_datastates: the file system of %s refuses direct I/O (O_DIRECT: %s); checkpoints there are "
-        "written through the page cache instead (still fsynced and atomic). direct_io='auto' or False silences this.",
-        directory,
-        exc.strerror or exc,
-    )
-
-
-def _address(view: memoryview) -> int | None:
-    """The memory address of a writable ``view``'s first byte; None for read-only memory."""
-    if view.readonly or not view.nbytes:
-        return None
-    holder = ctypes.c_char.from_buffer(view)
-    try:
-        return ctypes.addressof(holder)
-    finally:
-        del holder
-
-
-def _write_direct(fd: int, view: memoryview, offset: int) -> None:
-    """Write ``view`` (a whole number of aligned blocks) at the aligned ``offset`` through an ``O_DIRECT``
-    descriptor: straight from ``view`` when its address is aligned (and the kernel can map it for the device), else
-    through this thread's bounce buffer."""
-    address = _address(view)
-    if address is not None and address % DIRECT_IO_ALIGNMENT == 0:
-        try:
-            write_all(fd, view, offset)
-            return
-        except OSError as exc:
-            # Memory the kernel cannot map for the device's DMA (some drivers' page-locked host buffers) fails with
-            # EFAULT: rewrite the whole range (same bytes, same offsets) through the bounce buffer, plain memory.
-            if exc.errno != errno.EFAULT:
-                raise
-    bounce = getattr(_BOUNCE, "buffer", None)
-    if bounce is None:
-        bounce = _BOUNCE.buffer = mmap.mmap(-1, BOUNCE_BYTES)  # anonymous mappings are page-aligned
-    target = memoryview(bounce)
-    try:
-        for start in range(0, view.nbytes, BOUNCE_BYTES):
-            piece = view[start : start + BOUNCE_BYTES]
-            target[: piece.nbytes] = piece
-            write_all(fd, target[: piece.nbytes], offset + start)
-    finally:
-        target.release()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    return True
 
 
 def _fsync_directory(directory: str) -> None:
