@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from lightning_datastates.compat.torch import fake_tensor_mode, loaded_storage_key
 from lightning_datastates.errors import CheckpointCorruptError
 from lightning_datastates.load.reader import verify_checkpoint
 from lightning_datastates.storage import LocalWriter, StorageWriter, local_path, writer_for
@@ -136,11 +137,9 @@ def _inspect(args: argparse.Namespace, options: dict[str, Any] | None) -> int:
 def _load_metadata(writer: StorageWriter, path: str, weights_only: bool) -> Any:
     """The checkpoint with fake tensors: shapes and dtypes, no tensor data read (local files are mapped instead
     when torch cannot fake them)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     source: Any = local_path(path) if isinstance(writer, LocalWriter) else None
     try:
-        with FakeTensorMode():
+        with fake_tensor_mode():
             if source is not None:
                 return torch.load(source, weights_only=weights_only)
             with writer.open_read(path) as stream:
@@ -174,8 +173,7 @@ def _walk(value: Any, name: str, tensors: list[dict[str, Any]], storages: dict[A
         storage = value.untyped_storage() if value.layout == torch.strided else None
         if storage is not None:
             # Fake and mapped storages have no comparable data pointer: the file offset names the record.
-            identity = getattr(storage, "_checkpoint_offset", None) or storage.data_ptr() or id(storage)
-            storages[identity] = storage.nbytes()
+            storages[loaded_storage_key(storage)] = storage.nbytes()
         tensors.append(
             {
                 "name": name or "<root>",

@@ -9,6 +9,7 @@ from typing import Any, Literal, get_args
 
 from lightning_datastates.copy import sizing
 from lightning_datastates.errors import ConfigError
+from lightning_datastates.storage.base import DEFAULT_STALE_AGE_S
 
 #: A size setting: bytes as an int, or a string such as ``"8GiB"``, ``"512MB"``, ``"4096"``.
 Size = int | str
@@ -94,9 +95,7 @@ class DataStatesConfig:
     verify_checksums: bool = True
     on_flush_error: FlushErrorPolicy = "raise"
     on_arena_full: ArenaFullPolicy = "wait"
-    # storage.base.DEFAULT_STALE_AGE_S, which DataStatesIO's signature names; this module cannot import it while the
-    # storage package imports this one (tests/test_config.py checks that the two defaults agree).
-    stale_after_s: float = 3600.0
+    stale_after_s: float = DEFAULT_STALE_AGE_S
     storage_alignment: int | None = None
     serve_from_memory: bool = True
     direct_io: DirectIO = "auto"

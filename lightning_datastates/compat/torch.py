@@ -108,3 +108,24 @@ class TorchArchiveReader:
     def record_offset(self, name: str) -> int:
         """The file offset at which torch reads the data of record ``name``."""
         return int(self._reader.get_record_offset(name))  # type: ignore[attr-defined]  # missing from torch's stubs
+
+
+def fake_tensor_mode() -> contextlib.AbstractContextManager[Any]:
+    """Within the block, ``torch.load`` builds tensors with shapes and dtypes but no data (nothing is read for them).
+
+    Checked against torch 2.13.0: ``torch._subclasses.fake_tensor.FakeTensorMode`` (private; imported on use, it loads
+    much of torch's compiler stack).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()
+
+
+def loaded_storage_key(storage: torch.UntypedStorage) -> Any:
+    """A key naming the record a storage was loaded from: equal for tensors that share one record of the file.
+
+    Checked against torch 2.13.0: under fake tensors (and with ``mmap``) ``torch.load`` sets the private
+    ``_checkpoint_offset`` (the record's offset in the file) on each storage; elsewhere the data pointer, or the
+    object's identity for storages without data, stand in.
+    """
+    return getattr(storage, "_checkpoint_offset", None) or storage.data_ptr() or id(storage)
