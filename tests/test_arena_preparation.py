@@ -7,6 +7,7 @@ go shows whether anything on the training thread waits for it.
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 
@@ -161,4 +162,61 @@ def test_back_pressure_message_names_the_measured_figures() -> None:
     message = describe_back_pressure(1.5, recent, arena_bytes=8 * 10**9)
     assert "waited 1.50 s" in message
     assert "checkpoints of 4.00 GB" in message and "saved every 1.25 s" in message
-    assert "flushed at 1.00 GB/s (4.00 s each)" in message and "(2.0 checkpoint(s))" in message
+    assert "durable at 1.00 GB/s from the save call (4.00 s each)" in message and "(2.0 checkpoint(s))" in message
+
+
+def test_back_pressure_inside_the_save_call_is_warned(tmp_path, gated_writer) -> None:
+    """Everything copied during the save call (no lazy copies, as with manual optimization): the call itself waits for
+    arena space that a stalled flush holds."""
+    plugin = in_background(DataStatesIO(host_cache="1MiB", chunk_size="256KiB"))
+    gated_writer.gate.clear()
+    threading.Timer(0.2, gated_writer.gate.set).start()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plugin.save_checkpoint({"w": torch.ones(MiB)}, str(tmp_path / "a.ckpt"))
+        plugin.drain()
+    plugin.teardown()
+    assert len([w for w in caught if issubclass(w.category, BackPressureWarning)]) == 1
+
+
+def test_no_back_pressure_warning_for_a_wait_that_did_not_block_training(tmp_path, gated_writer, slow_copies) -> None:
+    """A copy that waited for space but finished before any barrier blocked nobody; a later barrier that waits for an
+    ordinary (slow) copy is no back-pressure either."""
+    plugin = in_background(DataStatesIO(host_cache="8MiB", chunk_size="1MiB"), lazy=True)
+    gated_writer.gate.clear()
+    threading.Timer(0.3, gated_writer.gate.set).start()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plugin.save_checkpoint({"w": torch.ones(4 * MiB)}, str(tmp_path / "a.ckpt"))  # 16 MiB through 8 MiB
+        plugin.drain()  # its copy waited for the stalled flush; no barrier came meanwhile
+        assert plugin.stats[-1].arena_wait_s > 0
+        many = {f"t{i}": torch.full((32 * 1024,), float(i)) for i in range(20)}  # 20 x 128 KiB, 2 ms each to copy
+        plugin.save_checkpoint(many, str(tmp_path / "b.ckpt"))
+        assert plugin.barrier() > 0  # training waits for the slow copy, not for storage
+        plugin.drain()
+    plugin.teardown()
+    assert plugin.stats[-1].arena_wait_s == 0
+    assert not [w for w in caught if issubclass(w.category, BackPressureWarning)]
+
+
+def test_a_forked_child_does_not_inherit_the_pinned_arena() -> None:
+    """Pages locked for DMA would be copied into every forked child (a data loader's workers): the arena's range is
+    excluded from fork before it is locked."""
+    pinner = BlockingPinner()
+    pinner.release.set()
+    arena = HostArena(4 * MiB, pinner=pinner)
+    assert arena.wait_pinned(10)
+    start = arena.buffer.data_ptr()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: is any mapping still covering the arena's first page?
+        with open("/proc/self/maps") as maps:
+            mapped = any(int(a, 16) <= start < int(b, 16) for a, b in (line.split()[0].split("-") for line in maps))
+        os.write(write, b"1" if mapped else b"0")
+        os._exit(0)
+    os.close(write)
+    answer = os.read(read, 1)
+    os.waitpid(pid, 0)
+    assert answer == b"0"
+    with open("/proc/self/maps") as maps:  # ...while the parent keeps it
+        assert any(int(a, 16) <= start < int(b, 16) for a, b in (line.split()[0].split("-") for line in maps))

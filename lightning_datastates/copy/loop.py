@@ -179,7 +179,9 @@ class CopyLoop:
         if not self._sharing.must_copy(job, chunk):
             return  # failed or superseded, and no other checkpoint follows it: the bytes would never be committed
         assert job.sources is not None
+        waited_before = self._arena.waited_s  # only this thread allocates: the difference is this chunk's wait
         block = self._arena.allocate(chunk.block_bytes)  # back-pressure: waits for writers to free space
+        job.stats.arena_wait_s += self._arena.waited_s - waited_before
         try:
             # The CRC-32s where the copier computed them on the way (host sources).
             crcs = self._copiers.copy_chunk(self._arena.tensor(block), chunk.pieces, job.sources, job.marks)

@@ -6,25 +6,39 @@ into pageable memory they go through a driver staging buffer at a fraction of it
 done at the first save, it stalls training for seconds. So the arena is allocated as ordinary pageable memory (the
 kernel maps its pages lazily: microseconds), and an :class:`ArenaPinning` thread page-locks it afterwards with a
 :class:`Pinner` (``cudaHostRegister`` on CUDA hosts). Until that is done, copies into the arena take the pageable
-path: correct, only slower. Training never waits for the pinning.
+path: correct, only slower (the copier waits for every chunk's copies on its own stream either way). Training never
+waits for the pinning.
+
+Locked pages of private memory would be copied into every child at ``fork`` (Linux copies pages pinned for DMA
+instead of sharing them copy-on-write): a data loader forking its workers would duplicate the arena each time. So the
+range is marked ``MADV_DONTFORK`` before it is locked: children do not inherit it (nothing in a child reads the
+arena: it only serves this process's copies, writes and loads).
 
 Call order:
   1) ``ArenaPinning(address, nbytes, pinner)`` on the training thread, where the arena is made: starts the thread
      and returns at once;
   2) ``pinner.pin(address, nbytes)`` on the thread ``datastates-arena-pin``; then :attr:`ArenaPinning.done` is set
      (pinned, or failed: :attr:`ArenaPinning.pinned` tells; a failure is logged, the arena stays pageable);
-  3) :meth:`ArenaPinning.release` when the arena's memory goes (any thread): waits for 2), then unpins.
+  3) :meth:`ArenaPinning.release` when the arena's memory goes (any thread of this process): waits for 2), then
+     unpins.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import mmap
+import os
 import threading
 from typing import Protocol
 
 import torch
 
 log = logging.getLogger("lightning_datastates")
+
+#: ``cudaHostRegisterPortable``: the range counts as pinned for every CUDA context of the process, not only the one
+#: current on the pinning thread (which need not be the device the copier copies from).
+_CUDA_HOST_REGISTER_PORTABLE = 1
 
 
 class Pinner(Protocol):
@@ -38,19 +52,28 @@ class Pinner(Protocol):
 
 
 class CudaHostRegister:
-    """:class:`Pinner` through ``cudaHostRegister``: locks memory already allocated (and mapped) by anyone."""
+    """:class:`Pinner` through ``cudaHostRegister``: locks memory already allocated by anyone.
+
+    Args:
+        device: the CUDA device current on the training thread when the arena was made: the pinning thread makes it
+            current too, so that it creates no context on another GPU (a fresh thread's current device is 0).
+    """
+
+    def __init__(self, device: int) -> None:
+        self.device = device
 
     def pin(self, address: int, nbytes: int) -> None:
-        """Register the range with the CUDA driver (it faults the pages in and locks them)."""
-        # Flags 0 (cudaHostRegisterDefault): portable across this process's CUDA contexts is not needed, one
-        # device's copier uses it; the memory stays ordinary host memory for the CPU (writers read it as usual).
-        error = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
+        """Register the range with the CUDA driver (it faults the pages in and locks them), portable across the
+        process's contexts."""
+        with torch.cuda.device(self.device):
+            error = torch.cuda.cudart().cudaHostRegister(address, nbytes, _CUDA_HOST_REGISTER_PORTABLE)
         if int(error) != 0:
             raise OSError(f"cudaHostRegister of {nbytes} bytes failed: {error!r}")
 
     def unpin(self, address: int) -> None:
         """Unregister the range (its memory must still be allocated)."""
-        torch.cuda.cudart().cudaHostUnregister(address)
+        with torch.cuda.device(self.device):
+            torch.cuda.cudart().cudaHostUnregister(address)
 
 
 class ArenaPinning:
@@ -60,6 +83,7 @@ class ArenaPinning:
         self.address = address
         self.nbytes = nbytes
         self._pinner = pinner
+        self._pid = os.getpid()  # a forked child inherits this object, not the locked range
         self.pinned = False
         #: Set once the pinning ended, pinned or not.
         self.done = threading.Event()
@@ -70,29 +94,54 @@ class ArenaPinning:
 
     def _run(self) -> None:
         try:
+            exclude_from_fork(self.address, self.nbytes)
             self._pinner.pin(self.address, self.nbytes)
         except Exception as exc:  # noqa: BLE001 - pinning only speeds copies up: log it, keep the pageable path
             log.warning(
                 "lightning_datastates: could not page-lock the host arena (%d bytes): %s; copies from the GPU go "
-                "through pageable memory (correct, slower). Lower host_cache if the host limits locked memory.",
+                "through pageable memory (correct, slower).",
                 self.nbytes,
                 exc,
             )
         else:
-            self.pinned = True
+            with self._lock:
+                self.pinned = True
         finally:
             self.done.set()
 
     def release(self) -> None:
-        """Unpin (once); waits for a pinning still in progress. Call before the buffer's memory is freed."""
-        self.done.wait()
+        """Unpin (once); waits for a pinning still in progress. Call before the buffer's memory is freed.
+
+        Nothing to do in a forked child (the range was not inherited), and no wait on the pinning thread itself (a
+        garbage collection there may release the arena before :attr:`done` is set).
+        """
+        if os.getpid() != self._pid:
+            return
+        if threading.current_thread() is not self._thread:
+            self.done.wait()
         with self._lock:
             if self.pinned:
                 self.pinned = False
                 self._pinner.unpin(self.address)
 
 
+def exclude_from_fork(address: int, nbytes: int) -> None:
+    """Mark the page-aligned range ``MADV_DONTFORK`` (Linux): a forked child does not inherit it. Elsewhere nothing.
+
+    Raises:
+        OSError: the kernel refused (the range is not page-aligned or not mapped).
+    """
+    advice = getattr(mmap, "MADV_DONTFORK", None)
+    if advice is None:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), ctypes.c_int(advice)) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"madvise(MADV_DONTFORK) of the host arena failed: {os.strerror(errno)}")
+
+
 def default_pinner() -> Pinner | None:
-    """The pinner for this host: ``cudaHostRegister`` where CUDA is available; None elsewhere (CPU copies gain
-    nothing from locked pages, and untouched pageable pages cost no memory until used)."""
-    return CudaHostRegister() if torch.cuda.is_available() else None
+    """The pinner for this host, called on the training thread: ``cudaHostRegister`` for its current CUDA device where
+    CUDA is available; None elsewhere (CPU copies gain nothing from locked pages, and untouched pageable pages cost no
+    memory until used)."""
+    return CudaHostRegister(torch.cuda.current_device()) if torch.cuda.is_available() else None

@@ -25,10 +25,10 @@ class BackPressureWarning(UserWarning):
 def describe_back_pressure(waited_s: float, recent: Sequence[SnapshotStats], arena_bytes: int) -> str:
     """The warning for a wait of ``waited_s`` seconds, from ``recent`` checkpoints (oldest first) and the arena size.
 
-    Names the measured flush rate (bytes over save-to-durable time of the committed checkpoints), the interval
+    Names the measured rate to storage (bytes over save-to-durable time of the committed checkpoints), the interval
     between saves, how many checkpoints the arena holds, and the fixes.
     """
-    committed = [s for s in recent if s.state == JobState.COMMITTED.value and s.durable_s]
+    rates = [s.total_bytes / s.durable_s for s in recent if s.state == JobState.COMMITTED.value and s.durable_s]
     sizes = [s.total_bytes for s in recent if s.total_bytes > 0]
     size = statistics.median(sizes) if sizes else 0
     starts = sorted(s.started_at for s in recent)
@@ -38,10 +38,10 @@ def describe_back_pressure(waited_s: float, recent: Sequence[SnapshotStats], are
         facts.append(f"checkpoints of {size / 1e9:.2f} GB")
     if intervals:
         facts.append(f"saved every {statistics.median(intervals):.2f} s")
-    if committed:
-        rate = statistics.median(s.total_bytes / s.durable_s for s in committed if s.durable_s)
+    if rates:
+        rate = statistics.median(rates)
         flush_s = size / rate if rate and size else 0.0
-        facts.append(f"flushed at {rate / 1e9:.2f} GB/s ({flush_s:.2f} s each)")
+        facts.append(f"durable at {rate / 1e9:.2f} GB/s from the save call ({flush_s:.2f} s each)")
     held = arena_bytes / size if size else 0.0
     facts.append(f"host arena {arena_bytes / 1e9:.2f} GB ({held:.1f} checkpoint(s))")
     return (

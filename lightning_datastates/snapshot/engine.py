@@ -60,6 +60,8 @@ from lightning_datastates.write.tasks import WriteQueue
 
 #: Stats of this many recent checkpoints are kept.
 _HISTORY_LENGTH = 1000
+#: Back-pressure shorter than this is not worth a warning (it still counts in ``blocked_s``).
+_BACK_PRESSURE_REPORTED_S = 0.01
 
 #: Which storages the caller lets the engine copy lazily (after the save call returned, before the next barrier).
 LazyPredicate = Callable[[torch.UntypedStorage], bool]
@@ -95,7 +97,6 @@ class SnapshotEngine:
         self._data_path: _DataPath | None = None  # set up by the first capture
         self._layouts = LayoutPlanner(config.storage_alignment)
         self._warned_back_pressure = False
-        self._arena_waited_s = 0.0  # the arena's total allocation wait when the last barrier looked
 
     @property
     def arena(self) -> HostArena | None:
@@ -139,7 +140,7 @@ class SnapshotEngine:
         may_skip = lazy is not None and not awaits_commit
         in_flight, held_bytes = self._pending.in_flight, self.held_arena_bytes
         admission = admit(layout, data_path.arena, self.config, may_skip, in_flight, held_bytes)
-        if admission.waited_s and may_skip:  # a save inside the training loop waited for storage
+        if admission.waited_s and not awaits_commit:  # a save inside the training loop waited for storage
             self._warn_back_pressure(admission.waited_s)
         if admission.skip_reason is not None:
             stats = skipped_stats(path, layout, started_at, admission.skip_reason)
@@ -197,6 +198,8 @@ class SnapshotEngine:
             data_path.copier.submit(job)
         data_path.copier.wake()  # a copier waiting for write-through chunks copies this eager part now
         (job.eager_copied if lazy is not None else job.copied).wait()
+        if job.stats.arena_wait_s and not awaits_commit:  # the copy this call waited for waited for a flush
+            self._warn_back_pressure(job.stats.arena_wait_s)
         return job.stats
 
     def _open_data_path(self, request_bytes: int) -> _DataPath:
@@ -216,9 +219,6 @@ class SnapshotEngine:
         With ``attribute`` the wait is added to the newest waited-for snapshot's ``barrier_wait_s``.
         """
         self._sharing.close_window()  # the caller mutates state next: later captures may not share earlier copies
-        arena_waited_s = 0.0 if self.arena is None else self.arena.waited_s
-        copies_waited_for_space = arena_waited_s > self._arena_waited_s
-        self._arena_waited_s = arena_waited_s
         waiting = self._pending.copying()
         if not waiting:
             return 0.0
@@ -231,17 +231,18 @@ class SnapshotEngine:
         waited = time.perf_counter() - started
         if attribute:
             waiting[-1].stats.barrier_wait_s += waited  # the newest snapshot is the one training waited for
-            if copies_waited_for_space or (self.arena is not None and self.arena.waited_s > arena_waited_s):
-                self._warn_back_pressure(waited)  # the copy training waited for had waited for a flush
+            if any(job.stats.arena_wait_s for job in waiting):
+                self._warn_back_pressure(waited)  # a copy training waited for had waited for a flush
         return waited
 
     def _warn_back_pressure(self, waited_s: float) -> None:
-        """Training thread: training waited for storage; say so once (snapshot/backpressure.py)."""
-        if self._warned_back_pressure or self.arena is None:
+        """Training thread: training waited ``waited_s`` for storage; say so once (snapshot/backpressure.py), unless
+        the wait is too short to matter."""
+        if self._warned_back_pressure or self.arena is None or waited_s < _BACK_PRESSURE_REPORTED_S:
             return
         self._warned_back_pressure = True
         message = describe_back_pressure(waited_s, list(self.history)[-8:], self.arena.size_bytes)
-        warnings.warn(message, BackPressureWarning, stacklevel=4)
+        warnings.warn(message, BackPressureWarning, stacklevel=2)
 
     # ------------------------------------------------------------------ pending checkpoints
     def is_pending(self, path: str) -> bool:

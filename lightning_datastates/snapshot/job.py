@@ -50,6 +50,7 @@ class SnapshotStats:
     written_bytes: int = 0  # handed to storage so far (the drain progress bar reads it)
     barrier_wait_s: float = 0.0
     copy_s: float | None = None
+    arena_wait_s: float = 0.0  # the copy's wait for arena space held by earlier checkpoints (back-pressure)
     durable_s: float | None = None
     state: str = JobState.COPYING.value
 
