@@ -1,2 +1,3 @@
-"""Capture, on the training thread: plan the file's bytes (:mod:`.layout`, with its fallback in :mod:`.planning`),
-admit the checkpoint into the host arena (:mod:`.admission`), and cut the copy into chunks (:mod:`.chunks`)."""
+"""Capture, on the training thread: plan the file's bytes (:mod:`.layout`; with its ``torch.save`` fallback and the
+planning of the lazy copies, :mod:`.planning`), admit the checkpoint into the host arena (:mod:`.admission`), and cut
+the copy into chunks (:mod:`.chunks`)."""
