@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 
 import pytest
 import torch
 
 from lightning_datastates.snapshot.engine import SnapshotEngine
+from lightning_datastates.write import loop as write_loop_module
 from tests.conftest import (
     BNModel,
     RecordingDataStatesIO,
@@ -63,6 +65,17 @@ def test_contract_check_fails_without_barrier(tmp_path, slow_copies, monkeypatch
     Without ``save_last`` (one file a step) the check does not depend on how a step's files share their copy.
     """
     monkeypatch.setattr(SnapshotEngine, "wait_copies", lambda self, attribute=True: 0.0)
+    if mode == "write-through":
+        # Writers read a chunk's bytes from the live tensors when they write it: 2 ms (slow_copies) often ends before
+        # the next optimizer step on an idle machine, and then even a plugin without a barrier writes correct files.
+        # 200 ms outlasts any step of this model, so the first chunks the writers take are read after the step.
+        host_bytes = write_loop_module._host_bytes
+
+        def slower_host_bytes(storage: torch.UntypedStorage, offset: int, nbytes: int) -> memoryview:
+            time.sleep(0.2)
+            return host_bytes(storage, offset, nbytes)
+
+        monkeypatch.setattr(write_loop_module, "_host_bytes", slower_host_bytes)
     plugin = _fit_recording(str(tmp_path), 1, save_last=False, mode=mode)
     failures = file_mismatches(plugin)
     assert failures, "a plugin that never waits for its copies produced only correct files: the check is blind"

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_datastates.alignment import PAGE_ALIGNMENT_BYTES, align_up
-from lightning_datastates.copy.pinning import ArenaPinning, Pinner
+from lightning_datastates.copy.pinning import ArenaPinning, Pinner, fork_excluded_mapping
 
 
 @dataclass(frozen=True)
@@ -63,12 +63,19 @@ class HostArena:
 
     def __init__(self, size_bytes: int, pinner: Pinner | None = None) -> None:
         self.size_bytes = align_up(size_bytes)
-        # Over-allocate by a page and start on a page boundary: torch's CPU allocator aligns to 64 bytes only,
-        # and direct I/O needs page-aligned memory as well as page-aligned offsets. Pageable and untouched: the
-        # kernel maps pages as they are first written, so this costs microseconds whatever the size.
-        raw = torch.empty(self.size_bytes + PAGE_ALIGNMENT_BYTES, dtype=torch.uint8)
-        shift = -raw.data_ptr() % PAGE_ALIGNMENT_BYTES
-        self.buffer = raw[shift : shift + self.size_bytes]
+        # Pageable and untouched either way: the kernel maps pages as they are first written, so this costs
+        # microseconds whatever the size.
+        if pinner is not None and (mapping := fork_excluded_mapping(self.size_bytes)) is not None:
+            # A mapping of its own (page-aligned), kept out of forked children before it is locked (copy/pinning.py);
+            # the tensor keeps the mapping alive, and the mapping's end ends the exclusion too.
+            self.buffer = torch.frombuffer(mapping, dtype=torch.uint8)
+        else:
+            # Over-allocate by a page and start on a page boundary: torch's CPU allocator aligns to 64 bytes only,
+            # and direct I/O needs page-aligned memory as well as page-aligned offsets.
+            raw = torch.empty(self.size_bytes + PAGE_ALIGNMENT_BYTES, dtype=torch.uint8)
+            shift = -raw.data_ptr() % PAGE_ALIGNMENT_BYTES
+            self.buffer = raw[shift : shift + self.size_bytes]
+            pinner = None  # no pinning of memory a forked child would copy
         self._pinning = None if pinner is None else ArenaPinning(self.buffer.data_ptr(), self.size_bytes, pinner)
         if self._pinning is not None:
             # Unpin before the buffer's memory is freed: finalizers run before the arena's attributes are cleared.

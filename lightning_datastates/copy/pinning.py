@@ -10,9 +10,10 @@ path: correct, only slower (the copier waits for every chunk's copies on its own
 waits for the pinning.
 
 Locked pages of private memory would be copied into every child at ``fork`` (Linux copies pages pinned for DMA
-instead of sharing them copy-on-write): a data loader forking its workers would duplicate the arena each time. So the
-range is marked ``MADV_DONTFORK`` before it is locked: children do not inherit it (nothing in a child reads the
-arena: it only serves this process's copies, writes and loads).
+instead of sharing them copy-on-write): a data loader forking its workers would duplicate the arena each time. So an
+arena to be pinned is a mapping of its own (:func:`fork_excluded_mapping`), marked ``MADV_DONTFORK`` when it is made:
+children do not inherit it (nothing in a child reads the arena: it only serves this process's copies, writes and
+loads), and the mark ends with the mapping, never with memory that the allocator hands out again.
 
 Call order:
   1) ``ArenaPinning(address, nbytes, pinner)`` on the training thread, where the arena is made: starts the thread
@@ -25,7 +26,6 @@ Call order:
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import mmap
 import os
@@ -94,7 +94,6 @@ class ArenaPinning:
 
     def _run(self) -> None:
         try:
-            exclude_from_fork(self.address, self.nbytes)
             self._pinner.pin(self.address, self.nbytes)
         except Exception as exc:  # noqa: BLE001 - pinning only speeds copies up: log it, keep the pageable path
             log.warning(
@@ -125,19 +124,21 @@ class ArenaPinning:
                 self._pinner.unpin(self.address)
 
 
-def exclude_from_fork(address: int, nbytes: int) -> None:
-    """Mark the page-aligned range ``MADV_DONTFORK`` (Linux): a forked child does not inherit it. Elsewhere nothing.
-
-    Raises:
-        OSError: the kernel refused (the range is not page-aligned or not mapped).
-    """
-    advice = getattr(mmap, "MADV_DONTFORK", None)
-    if advice is None:
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), ctypes.c_int(advice)) != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"madvise(MADV_DONTFORK) of the host arena failed: {os.strerror(errno)}")
+def fork_excluded_mapping(nbytes: int) -> mmap.mmap | None:
+    """A private anonymous mapping of ``nbytes`` (a multiple of the page size) that forked children do not inherit
+    (``MADV_DONTFORK``); None where the kernel refuses or has no such advice (the caller then keeps its memory
+    unpinned, with a warning: locked private pages would be copied into every child)."""
+    try:
+        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mapping.madvise(mmap.MADV_DONTFORK)
+    except (AttributeError, OSError, ValueError) as exc:  # no MADV_DONTFORK here, or refused
+        log.warning(
+            "lightning_datastates: cannot keep the host arena out of forked processes (%s); it stays pageable, and "
+            "copies from the GPU go through pageable memory (correct, slower).",
+            exc,
+        )
+        return None
+    return mapping
 
 
 def default_pinner() -> Pinner | None:
