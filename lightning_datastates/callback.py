@@ -23,10 +23,11 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_datastates.compat.lightning import override_file_exists, restore_file_exists, unwrap_checkpoint_io
-from lightning_datastates.compat.torch import storage_identity
+from lightning_datastates.compat.torch import local_shard, storage_identity
 from lightning_datastates.metrics import CheckpointMetrics
 from lightning_datastates.plugin import DataStatesIO
 from lightning_datastates.progress import drain_with_progress
+from lightning_datastates.sharded.lightning import saves_with_dcp
 from lightning_datastates.snapshot.engine import LazyPredicate
 from lightning_datastates.strategies import warn_if_bypassed
 
@@ -55,7 +56,9 @@ class DataStatesCallback(Callback):
         if plugin is None or not plugin.attach(self):
             return
         self._plugin, self._trainer = plugin, trainer
-        warn_if_bypassed(trainer.strategy)  # sharded FSDP, DeepSpeed, ...: their saves never reach the plugin
+        if saves_with_dcp(trainer.strategy):
+            plugin.enable_sharded(trainer.strategy)  # sharded FSDP and ModelParallel save through DCP: take them over
+        warn_if_bypassed(trainer.strategy)  # DeepSpeed: its saves never reach the plugin
         self._metrics.start(plugin)
         # Run our hooks first, so the barrier precedes other callbacks' mutations (SWA at epoch start, ...).
         callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning, unannotated
@@ -79,6 +82,8 @@ class DataStatesCallback(Callback):
             restore_file_exists(checkpoint_callback)
         self._patched = []
         self._armed = False
+        if self._trainer is not None:
+            self._plugin.disable_sharded(self._trainer.strategy)
         self._plugin.detach(self)
         self._plugin, self._trainer = None, None
 
@@ -99,12 +104,13 @@ class DataStatesCallback(Callback):
             return None
         if not trainer.lightning_module.automatic_optimization:
             return None  # manual optimization may step an optimizer that fires no hook
-        safe = {storage_identity(p.untyped_storage()) for p in trainer.lightning_module.parameters()}
+        # Sharded parameters and optimizer state are DTensors: their local shards are what a save copies.
+        safe = {storage_identity(local_shard(p).untyped_storage()) for p in trainer.lightning_module.parameters()}
         for optimizer in trainer.optimizers:
             for state in optimizer.state.values():
                 for value in state.values():
                     if isinstance(value, torch.Tensor):
-                        safe.add(storage_identity(value.untyped_storage()))
+                        safe.add(storage_identity(local_shard(value).untyped_storage()))
         return lambda storage: storage_identity(storage) in safe
 
     # ------------------------------------------------------------------ barriers

@@ -12,7 +12,7 @@ import logging
 import os
 import re
 import time
-from typing import IO, Any, Protocol, cast
+from typing import IO, TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from fsspec.core import split_protocol
@@ -30,10 +30,14 @@ from lightning_datastates.config import (
 from lightning_datastates.errors import CheckpointFlushError
 from lightning_datastates.interrupts import sigint_deferred
 from lightning_datastates.load.reader import load_checkpoint
+from lightning_datastates.sharded.leftovers import clean_sharded_leftovers
 from lightning_datastates.snapshot.engine import LazyPredicate, SnapshotEngine
 from lightning_datastates.snapshot.job import SnapshotStats
-from lightning_datastates.storage import StorageWriter, is_local_path, writer_for
+from lightning_datastates.storage import StorageWriter, is_local_path, local_path, writer_for
 from lightning_datastates.storage.base import DEFAULT_STALE_AGE_S
+
+if TYPE_CHECKING:
+    from lightning_datastates.sharded.saver import ShardedSaver
 
 log = logging.getLogger("lightning_datastates")
 
@@ -134,6 +138,7 @@ class DataStatesIO(CheckpointIO):
         self._cleaned_directories: set[str] = set()
         # One storage writer per protocol ("" for local paths), built on first use; on the training thread only.
         self._writers: dict[str, StorageWriter] = {}
+        self._sharded: ShardedSaver | None = None  # set while a sharded strategy's saves go through the plugin
 
     # ------------------------------------------------------------------ CheckpointIO
     def save_checkpoint(
@@ -152,22 +157,18 @@ class DataStatesIO(CheckpointIO):
             )
         started = time.perf_counter()
         self.raise_pending_failure()
-        path = _path_str(path)
-        writer = self._writer(path)
+        path = checkpoint_path_str(path)
+        writer = self.writer_for(path)
         directory = os.path.dirname(path) or "."
-        owner = self._owner
-        in_training_loop = owner is not None and owner.in_training_loop
+        lazy, awaits_commit = self.lazy_for_save()
         try:
             if directory not in self._cleaned_directories:
                 self.clean_stale(directory)
-            # Outside the training loop this call returns only once the file is committed, so nothing changes the
-            # state before then: everything may be copied (or written straight from host memory) after the capture.
-            lazy = (owner.lazy_predicate() if owner is not None else None) if in_training_loop else _every_storage
             with sigint_deferred():  # Ctrl+C must not split a capture (see interrupts.py)
-                stats = self.engine.capture(checkpoint, path, writer, lazy, awaits_commit=not in_training_loop)
+                stats = self.engine.capture(checkpoint, path, writer, lazy, awaits_commit=awaits_commit)
         except OSError as exc:
             raise CheckpointFlushError(f"cannot write checkpoint {path}: {exc}", path) from exc
-        if not in_training_loop:
+        if awaits_commit:
             # Outside fit's training loop no later hook drains or reports: behave like TorchCheckpointIO and
             # return once the file is committed (`trainer.save_checkpoint(p)` then `torch.load(p)` must work).
             try:
@@ -188,7 +189,7 @@ class DataStatesIO(CheckpointIO):
             CheckpointCorruptError: ``path`` fails its integrity check (with ``verify_checksums``).
             FileNotFoundError: no checkpoint at ``path``.
         """
-        path = _path_str(path)
+        path = checkpoint_path_str(path)
         if self._engine is not None:
             self._engine.wait_path(path)
             self.raise_pending_failure(path)
@@ -199,12 +200,22 @@ class DataStatesIO(CheckpointIO):
                 with resident:
                     return torch.load(cast(IO[bytes], resident), map_location=map_location, weights_only=weights_only)
         return load_checkpoint(
-            self._writer(path),
+            self.writer_for(path),
             path,
             map_location=map_location,
             weights_only=weights_only,
             verify_checksums=self.config.verify_checksums,
         )
+
+    def lazy_for_save(self) -> tuple[LazyPredicate | None, bool]:
+        """For a save now: which storages may be copied after the save call (the engine's ``lazy``), and whether the
+        call must wait for the commit (``awaits_commit``: outside fit's training loop, where no barrier follows)."""
+        owner = self._owner
+        if owner is None or not owner.in_training_loop:
+            # The call returns only once the file is committed, so nothing changes the state before then: everything
+            # may be copied (or written straight from host memory) after the capture.
+            return _every_storage, True
+        return owner.lazy_predicate(), False
 
     def remove_checkpoint(self, path: CheckpointPath) -> None:
         """Drop a pending write of ``path`` (or let a commit in progress end), then delete the file.
@@ -213,8 +224,12 @@ class DataStatesIO(CheckpointIO):
         is dropped if one of them fails: ModelCheckpoint removes the previous best right after saving the new
         one, which must not leave the run without a checkpoint.
         """
-        path = _path_str(path)
-        writer = self._writer(path)
+        path = checkpoint_path_str(path)
+        writer = self.writer_for(path)
+        if self._sharded is not None and self._sharded.committer.remove_after_pending(
+            path, lambda: writer.remove(path)
+        ):
+            return  # a sharded checkpoint is still being committed: the removal waits for it
         if self._engine is None:
             writer.remove(path)
             return
@@ -222,10 +237,13 @@ class DataStatesIO(CheckpointIO):
 
     def counts_as_existing(self, path: CheckpointPath, exists: bool) -> bool:
         """Whether ModelCheckpoint should see ``path`` as existing, as after a synchronous save or removal."""
-        path = _path_str(path)
+        path = checkpoint_path_str(path)
         if self._engine is None:
             return exists
-        return (exists or self._engine.is_pending(path)) and not self._engine.is_removal_deferred(path)
+        sharded = self._sharded.committer if self._sharded is not None else None
+        pending = self._engine.is_pending(path) or (sharded is not None and sharded.is_pending(path))
+        deferred = self._engine.is_removal_deferred(path) or (sharded is not None and sharded.is_removal_deferred(path))
+        return (exists or pending) and not deferred
 
     def teardown(self) -> None:
         """Finish every pending write and stop the threads (they restart if the plugin is used again).
@@ -235,6 +253,8 @@ class DataStatesIO(CheckpointIO):
         """
         if self._engine is None:
             return
+        if self._sharded is not None:
+            self._sharded.committer.drain()
         self._engine.close()
         for failed in self._engine.unreported_failures():
             log.error(
@@ -263,12 +283,14 @@ class DataStatesIO(CheckpointIO):
 
     def drain(self) -> None:
         """Wait until every pending checkpoint is committed or failed."""
+        if self._sharded is not None:
+            self._sharded.committer.drain()  # waits for the engine's shard files first
         if self._engine is not None:
             self._engine.drain()
 
     def is_pending(self, path: CheckpointPath) -> bool:
         """Whether ``path`` has a checkpoint that is saved but not yet on storage."""
-        return self._engine is not None and self._engine.is_pending(_path_str(path))
+        return self._engine is not None and self._engine.is_pending(checkpoint_path_str(path))
 
     def raise_pending_failure(self, path: str | None = None) -> None:
         """Raise the oldest unreported background failure (of ``path`` if given) as ``CheckpointFlushError``.
@@ -283,11 +305,17 @@ class DataStatesIO(CheckpointIO):
         job = self._engine.pop_failure(path)
         if job is not None:
             raise CheckpointFlushError(f"writing checkpoint {job.path} failed: {job.error!r}", job.path) from job.error
+        if self._sharded is not None:
+            uncommitted = self._sharded.committer.pop_failure()  # another rank's failure left it uncommitted
+            if uncommitted is not None:
+                raise uncommitted
 
     def clean_stale(self, directory: str) -> list[str]:
         """Remove temporary files that crashed runs left in ``directory`` (done once per directory)."""
         self._cleaned_directories.add(directory)
-        removed = self._writer(directory).clean_stale(directory, max_age_s=self.config.stale_after_s)
+        removed = self.writer_for(directory).clean_stale(directory, max_age_s=self.config.stale_after_s)
+        if is_local_path(directory):  # sharded saves that died in flight (their directories)
+            removed += clean_sharded_leftovers(local_path(directory), self.config.stale_after_s)
         if removed:
             log.info("lightning_datastates: removed %d stale temporary file(s) in %s", len(removed), directory)
         return removed
@@ -302,6 +330,29 @@ class DataStatesIO(CheckpointIO):
             return None
         return engine.held_arena_bytes() / engine.arena.size_bytes
 
+    def enable_sharded(self, strategy: Any) -> None:
+        """Take over ``strategy``'s sharded saves (FSDP, ModelParallel through DCP): training thread of every rank,
+        at setup, after the process group is up (it makes a gloo group for the commits: a collective)."""
+        import torch.distributed as dist
+
+        from lightning_datastates.sharded.commit import DEFAULT_EXCHANGE_TIMEOUT
+        from lightning_datastates.sharded.lightning import install
+        from lightning_datastates.sharded.saver import ShardedSaver
+
+        group = dist.new_group(backend="gloo", timeout=DEFAULT_EXCHANGE_TIMEOUT)
+        self._sharded = ShardedSaver(self, dist.get_rank(), group, self.config.storage_alignment)
+        install(strategy, self._sharded, self.drain)
+
+    def disable_sharded(self, strategy: Any) -> None:
+        """Undo :meth:`enable_sharded` once every pending sharded checkpoint is committed."""
+        if self._sharded is None:
+            return
+        from lightning_datastates.sharded.lightning import uninstall
+
+        self._sharded.committer.drain()
+        uninstall(strategy)
+        self._sharded = None
+
     def attach(self, owner: PluginOwner) -> bool:
         """Let ``owner`` drive this plugin's barriers; False if another callback already does."""
         if self._owner is not None and self._owner is not owner:
@@ -314,7 +365,7 @@ class DataStatesIO(CheckpointIO):
         if self._owner is owner:
             self._owner = None
 
-    def _writer(self, path: str) -> StorageWriter:
+    def writer_for(self, path: str) -> StorageWriter:
         """The storage writer for ``path``'s protocol, built once per protocol and kept (on the training thread)."""
         protocol = "" if is_local_path(path) else split_protocol(path)[0] or ""
         writer = self._writers.get(protocol)
@@ -326,7 +377,7 @@ class DataStatesIO(CheckpointIO):
     # ------------------------------------------------------------------ pickling (ddp_spawn, LightningCLI)
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_engine=None, _owner=None, _cleaned_directories=set(), _writers={})
+        state.update(_engine=None, _owner=None, _cleaned_directories=set(), _writers={}, _sharded=None)
         return state
 
 
@@ -334,7 +385,8 @@ def _every_storage(storage: Any) -> bool:
     return True
 
 
-def _path_str(path: CheckpointPath) -> str:
+def checkpoint_path_str(path: CheckpointPath) -> str:
+    """``path`` as a string; a URL that ``pathlib`` collapsed (``s3:/b/k``) is restored."""
     text = os.fspath(path)
     # pathlib collapses "s3://bucket/key" into "s3:/bucket/key" (FSDP and ModelParallel pass Paths): restore it.
     return _COLLAPSED_URL.sub(r"\1://", text) if not isinstance(path, str) else text

@@ -1,21 +1,19 @@
-"""Which Lightning strategies send their checkpoint files through ``DataStatesIO``, and a warning for the others.
+"""Which Lightning strategies send their checkpoints through ``DataStatesIO``, and a warning for the others.
 
 ``Strategy.save_checkpoint`` hands the checkpoint dict to the ``CheckpointIO`` on global rank 0 (DDP, ddp_spawn,
-single device, and FSDP / ModelParallel in full-state mode, which pass a ``pathlib.Path``). Sharded FSDP,
-ModelParallel with distributed checkpoints and DeepSpeed write their own directories instead
-(``torch.distributed.checkpoint`` or DeepSpeed's engine), so the plugin never sees those saves; they still send
-``remove_checkpoint`` for the directories, which the plugin's writers delete recursively. See ``docs/design.md``,
-"Lightning facts".
+single device, and FSDP / ModelParallel in full-state mode, which pass a ``pathlib.Path``). Sharded FSDP and
+ModelParallel with distributed checkpoints write directories with ``torch.distributed.checkpoint`` instead: the
+callback routes those saves through the plugin (:mod:`~lightning_datastates.sharded.lightning`). DeepSpeed writes its
+own directories through its engine, so the plugin never sees those saves; it still receives ``remove_checkpoint`` for
+them, which its writers delete recursively. See ``docs/design.md``, "Lightning facts".
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.utilities import rank_zero_warn
-
-from lightning_datastates.compat.lightning import fsdp_state_dict_type, saves_distributed_checkpoint
 
 
 class PluginBypassedWarning(UserWarning):
@@ -23,18 +21,7 @@ class PluginBypassedWarning(UserWarning):
 
 
 def bypass_reason(strategy: Any) -> str | None:
-    """Why ``strategy`` writes checkpoint files without calling its ``CheckpointIO``; None if it calls it."""
-    if isinstance(strategy, FSDPStrategy) and fsdp_state_dict_type(strategy) != "full":
-        return (
-            "FSDPStrategy(state_dict_type='sharded') writes each checkpoint as a directory with "
-            "torch.distributed.checkpoint (for single files that DataStatesIO writes: state_dict_type='full')"
-        )
-    if isinstance(strategy, ModelParallelStrategy) and saves_distributed_checkpoint(strategy):
-        return (
-            "ModelParallelStrategy(save_distributed_checkpoint=True) writes each checkpoint as a directory with "
-            "torch.distributed.checkpoint (for single files, which DataStatesIO writes: "
-            "save_distributed_checkpoint=False)"
-        )
+    """Why ``strategy`` writes checkpoint files without the plugin; None if the plugin writes them."""
     if isinstance(strategy, DeepSpeedStrategy):
         return "DeepSpeedStrategy writes each checkpoint as a directory through the DeepSpeed engine"
     return None

@@ -21,7 +21,7 @@ import torch
 
 import lightning_datastates.plugin as plugin_module
 from lightning_datastates import DataStatesIO
-from lightning_datastates.plugin import _path_str
+from lightning_datastates.plugin import checkpoint_path_str
 from lightning_datastates.snapshot import threads as threads_module
 from lightning_datastates.snapshot.engine import SnapshotEngine
 
@@ -39,7 +39,7 @@ class ReferenceRecordingIO(DataStatesIO):
         expected = copy.deepcopy(checkpoint)  # the state at the save call, before training goes on
         super().save_checkpoint(checkpoint, path, storage_options)
         os.makedirs(self.reference_dir, exist_ok=True)
-        reference = os.path.join(self.reference_dir, os.path.basename(_path_str(path)))
+        reference = os.path.join(self.reference_dir, os.path.basename(checkpoint_path_str(path)))
         torch.save(expected, reference + ".tmp")  # plain synchronous save of the copy, renamed when whole
         os.replace(reference + ".tmp", reference)
 

@@ -156,7 +156,7 @@ def test_clean_removes_the_temporary_file_of_a_killed_writer_only(tmp_path) -> N
     dead = temp_files(str(directory))
     assert len(dead) == 1
     (directory / "keep.ckpt").write_bytes(b"a committed checkpoint")
-    live = DataStatesIO()._writer(str(directory / "b.ckpt")).begin(str(directory / "b.ckpt"), 10)  # this process
+    live = DataStatesIO().writer_for(str(directory / "b.ckpt")).begin(str(directory / "b.ckpt"), 10)  # this process
     try:
         result = _cli("clean", str(directory))
         assert result.returncode == 0, result.stderr

@@ -263,10 +263,10 @@ def test_used_plugin_pickles_without_its_engine_and_the_copy_works(tmp_path) -> 
 
 def test_plugin_keeps_one_writer_per_protocol_and_pickles_without_them(tmp_path) -> None:
     plugin = DataStatesIO()
-    local = plugin._writer(str(tmp_path / "a.ckpt"))
-    assert plugin._writer(str(tmp_path / "sub" / "b.ckpt")) is local
-    assert plugin._writer(f"file://{tmp_path}/c.ckpt") is local  # a file:// URL is a local path too
-    memory = plugin._writer("memory://run/a.ckpt")
-    assert plugin._writer("memory://other/b.ckpt") is memory and memory is not local
+    local = plugin.writer_for(str(tmp_path / "a.ckpt"))
+    assert plugin.writer_for(str(tmp_path / "sub" / "b.ckpt")) is local
+    assert plugin.writer_for(f"file://{tmp_path}/c.ckpt") is local  # a file:// URL is a local path too
+    memory = plugin.writer_for("memory://run/a.ckpt")
+    assert plugin.writer_for("memory://other/b.ckpt") is memory and memory is not local
     clone = pickle.loads(pickle.dumps(plugin))
-    assert clone._writers == {} and plugin._writer(str(tmp_path / "d.ckpt")) is local
+    assert clone._writers == {} and plugin.writer_for(str(tmp_path / "d.ckpt")) is local

@@ -8,7 +8,7 @@ import fsspec
 import torch
 
 from lightning_datastates import DataStatesIO
-from lightning_datastates.plugin import _path_str
+from lightning_datastates.plugin import checkpoint_path_str
 from lightning_datastates.storage.local import TEMP_SUFFIX
 from tests.conftest import (
     BNModel,
@@ -41,6 +41,6 @@ def test_trainer_round_trip_through_memory_filesystem(tmp_path, slow_copies):
 
 
 def test_pathlib_collapsed_urls_are_restored():
-    assert _path_str(Path("s3://bucket/run/last.ckpt")) == "s3://bucket/run/last.ckpt"
-    assert _path_str(Path("/local/dir/a.ckpt")) == "/local/dir/a.ckpt"
-    assert _path_str("s3://bucket/key") == "s3://bucket/key"
+    assert checkpoint_path_str(Path("s3://bucket/run/last.ckpt")) == "s3://bucket/run/last.ckpt"
+    assert checkpoint_path_str(Path("/local/dir/a.ckpt")) == "/local/dir/a.ckpt"
+    assert checkpoint_path_str("s3://bucket/key") == "s3://bucket/key"

@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 
 from lightning_datastates import DataStatesIO
-from lightning_datastates.plugin import _path_str
+from lightning_datastates.plugin import checkpoint_path_str
 from lightning_datastates.strategies import PluginBypassedWarning, bypass_reason
 from tests.conftest import (
     BNModel,
@@ -144,24 +144,31 @@ def _model_parallel_fit(tmp_path, plugin, dirpath: str, save_distributed_checkpo
 
 
 def test_bypassing_strategies_are_named_and_the_others_are_not():
-    assert "torch.distributed.checkpoint" in bypass_reason(FSDPStrategy(state_dict_type="sharded"))
-    assert "torch.distributed.checkpoint" in bypass_reason(ModelParallelStrategy())
     assert "DeepSpeed" in bypass_reason(DeepSpeedStrategy.__new__(DeepSpeedStrategy))  # deepspeed not installed
+    assert bypass_reason(FSDPStrategy(state_dict_type="sharded")) is None  # through the plugin (sharded/)
+    assert bypass_reason(ModelParallelStrategy()) is None
     assert bypass_reason(FSDPStrategy(state_dict_type="full")) is None
     assert bypass_reason(ModelParallelStrategy(save_distributed_checkpoint=False)) is None
     assert bypass_reason(DDPStrategy()) is None
 
 
-def test_sharded_saves_warn_at_setup_and_their_directories_are_still_removed(tmp_path, single_process_group):
+def test_sharded_saves_go_through_the_plugin_and_top_k_removes_directories(tmp_path, single_process_group, recwarn):
     """ModelParallelStrategy with distributed checkpoints (CPU, one process): real Trainer, real DCP directories."""
     checkpoint_dir = tmp_path / "ckpt"
     plugin = DataStatesIO()
-    with pytest.warns(PluginBypassedWarning, match="DataStatesIO is not used for these saves"):
-        _model_parallel_fit(tmp_path, plugin, str(checkpoint_dir), save_distributed_checkpoint=True)
+    trainer = _model_parallel_fit(tmp_path, plugin, str(checkpoint_dir), save_distributed_checkpoint=True)
+    assert not any(issubclass(w.category, PluginBypassedWarning) for w in recwarn)
     # Four directories were saved, top-1 kept: ModelCheckpoint removed three through DataStatesIO.remove_checkpoint.
     assert sorted(os.listdir(checkpoint_dir)) == ["epoch=0-step=4.ckpt"]
-    assert (checkpoint_dir / "epoch=0-step=4.ckpt").is_dir()
-    assert plugin.stats == []  # the plugin saved nothing itself
+    kept = checkpoint_dir / "epoch=0-step=4.ckpt"
+    assert sorted(p.name for p in kept.iterdir() if not p.name.endswith(".distcp")) == [".metadata", "meta.pt"]
+    assert len(plugin.stats) == 4  # the plugin wrote each rank file
+    state = {k: torch.zeros_like(v) for k, v in trainer.lightning_module.state_dict().items()}
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load({"state_dict": state}, checkpoint_id=str(kept))  # plain DCP reads it
+    assert_bit_equal(state, trainer.lightning_module.state_dict(), "model after fit")
+    assert torch.load(kept / "meta.pt", weights_only=False)["global_step"] == 4
 
 
 def test_full_state_model_parallel_saves_s3_urls_through_the_plugin(tmp_path, s3, single_process_group, recwarn):
@@ -170,7 +177,7 @@ def test_full_state_model_parallel_saves_s3_urls_through_the_plugin(tmp_path, s3
     plugin = RecordingDataStatesIO(storage_options=s3.storage_options)
     _model_parallel_fit(tmp_path, plugin, s3.url("run"), save_distributed_checkpoint=False, top_k=2)
     assert not any(issubclass(w.category, PluginBypassedWarning) for w in recwarn)
-    recorded = {_path_str(pathlib.Path(path)): state for path, state in plugin.recorded.items()}
+    recorded = {checkpoint_path_str(pathlib.Path(path)): state for path, state in plugin.recorded.items()}
     assert all(path.startswith("s3:/") and not path.startswith("s3://") for path in plugin.recorded), "not a Path"
     saved_keys = s3.keys()
     assert saved_keys == ["run/epoch=0-step=3.ckpt", "run/epoch=0-step=4.ckpt"]

@@ -51,7 +51,7 @@ def test_arena_path_when_write_through_is_off_or_writes_are_slow(tmp_path):
     arena_only.config = dataclasses.replace(arena_only.config, write_through=False)
     plugins = [("off", arena_only)]
     direct_io = DataStatesIO()  # the default: O_DIRECT writes wait for the device, so they are not "fast"
-    probe = direct_io._writer(str(tmp_path / "probe.ckpt")).begin(str(tmp_path / "probe.ckpt"), 0)
+    probe = direct_io.writer_for(str(tmp_path / "probe.ckpt")).begin(str(tmp_path / "probe.ckpt"), 0)
     probe.abort()
     if not probe.fast_writes:
         plugins.append(("direct", direct_io))  # the file system takes O_DIRECT

@@ -129,3 +129,24 @@ def loaded_storage_key(storage: torch.UntypedStorage) -> Any:
     object's identity for storages without data, stand in.
     """
     return getattr(storage, "_checkpoint_offset", None) or storage.data_ptr() or id(storage)
+
+
+def dcp_storage_info(relative_path: str, offset: int, length: int) -> Any:
+    """The record DCP's ``.metadata`` keeps for one item: where its bytes lie in which file of the checkpoint.
+
+    ``torch.distributed.checkpoint.filesystem._StorageInfo`` is private, but it is what ``FileSystemReader`` (and
+    Lightning's sharded load through it) expects in ``Metadata.storage_data``. Checked against torch 2.13.0.
+    """
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return _StorageInfo(relative_path, offset, length)
+
+
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of ``tensor`` this process holds: a DTensor's local tensor (sharing its storage), else ``tensor``."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        with torch.no_grad():
+            return tensor.to_local()
+    return tensor

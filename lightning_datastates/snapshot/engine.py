@@ -42,6 +42,7 @@ import torch
 
 from lightning_datastates.capture.admission import admit, arena_request_bytes, open_arena, skipped_stats
 from lightning_datastates.capture.chunks import plan_chunks
+from lightning_datastates.capture.layout import CheckpointLayout
 from lightning_datastates.capture.planning import LayoutPlanner, plan_lazy_copy
 from lightning_datastates.config import DataStatesConfig
 from lightning_datastates.copy.arena import HostArena
@@ -136,6 +137,22 @@ class SnapshotEngine:
         """
         started_at = time.perf_counter()
         layout, storages = self._layouts.plan(checkpoint)
+        return self.capture_planned(layout, storages, path, writer, lazy, awaits_commit, started_at)
+
+    def capture_planned(
+        self,
+        layout: CheckpointLayout,
+        storages: list[torch.UntypedStorage],
+        path: str,
+        writer: StorageWriter,
+        lazy: LazyPredicate | None,
+        awaits_commit: bool = False,
+        started_at: float | None = None,
+    ) -> SnapshotStats:
+        """:meth:`capture` of a file whose layout the caller planned: ``layout``, and ``storages`` indexed by its
+        record keys (the shard files of a distributed checkpoint, :mod:`~lightning_datastates.sharded`).
+        ``started_at`` is when the save call began (now if None). Same contract and errors as :meth:`capture`."""
+        started_at = time.perf_counter() if started_at is None else started_at
         data_path = self._open_data_path(arena_request_bytes(layout))
         may_skip = lazy is not None and not awaits_commit
         in_flight, held_bytes = self._pending.in_flight, self.held_arena_bytes

@@ -1,0 +1,16 @@
+"""Sharded checkpoints (FSDP, ModelParallel) through ``torch.distributed.checkpoint``, lazily, on every rank.
+
+The path of one sharded save, and where each step lives:
+
+1. **plan** (training thread, every rank): DCP's own planner and collectives decide which rank writes which item;
+   :mod:`~lightning_datastates.sharded.dcp_writer` is DCP's ``StorageWriter`` and plans each rank's file
+   (:mod:`~lightning_datastates.sharded.layout`), whose items' places are known before any byte is copied;
+2. **copy and write** (engine threads, every rank): the snapshot engine copies the rank's shards into its host arena
+   while training goes on (the barrier before the optimizer step waits for them) and writes the file;
+3. **commit** (committer thread, :mod:`~lightning_datastates.sharded.commit`): once every rank's file is durable,
+   rank 0 writes DCP's ``.metadata`` and then Lightning's ``meta.pt``; never before.
+
+:mod:`~lightning_datastates.sharded.lightning` routes Lightning's sharded strategies here;
+:mod:`~lightning_datastates.sharded.saver` runs one save; :mod:`~lightning_datastates.sharded.leftovers` finds and
+removes what a run that died in flight left.
+"""

@@ -1,0 +1,277 @@
+"""Commit sharded checkpoints: ``.metadata`` and ``meta.pt`` appear only once every rank's shard file is durable.
+
+One :class:`ShardedCommitter` per rank runs a thread that takes this rank's saves in save order. For each it
+
+1. waits until the engine committed (or failed) this rank's shard file;
+2. exchanges the outcome with every rank (``all_gather_object`` on a gloo group of its own, made at setup: a
+   collective on the training process group from a background thread can deadlock NCCL, and gloo carries a few bytes
+   between threads of the same ranks safely);
+3. on rank 0, if every rank succeeded: reads the names of the files of the checkpoint the directory holds (if any),
+   removes its ``meta.pt`` (from here the directory is not a checkpoint, for a few milliseconds instead of the whole
+   flush), writes the new ``.metadata`` and then ``meta.pt`` (each atomically), and removes the earlier files; if a
+   rank failed, removes this save's files instead (the directory keeps what it held before);
+4. shares rank 0's result (``broadcast_object_list``), so that each rank knows whether the checkpoint exists.
+
+A rank whose own shard failed reports that failure (the engine keeps it); every other rank gets one
+:class:`~lightning_datastates.errors.CheckpointFlushError` naming the rank that failed. Removals that ModelCheckpoint
+asks for while saves are pending (rank 0 only) are queued behind them and dropped if one of them fails.
+
+Why a gloo group and not markers on storage: the exchange costs two small collectives per checkpoint and no storage
+request, a failure reaches every rank at once, and there is nothing to poll or to clean up. A rank that dies leaves
+the others waiting in the exchange until the group's timeout; a launcher (torchrun, SLURM) ends the job first.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from lightning_datastates.errors import CheckpointFlushError
+from lightning_datastates.sharded.dcp_writer import DCP_METADATA_NAME, join_path
+from lightning_datastates.snapshot.job import JobState, SnapshotStats
+from lightning_datastates.storage.base import StorageWriter
+from lightning_datastates.storage.local import is_local_path, local_path
+
+log = logging.getLogger("lightning_datastates")
+
+#: Lightning's file in a sharded checkpoint directory (``lightning.fabric.utilities.load._METADATA_FILENAME``): it
+#: makes the directory a checkpoint for Lightning's load.
+LIGHTNING_META_NAME = "meta.pt"
+#: How long a rank waits for the others in an exchange before the checkpoint counts as failed.
+DEFAULT_EXCHANGE_TIMEOUT = timedelta(minutes=30)
+
+
+@dataclass(frozen=True)
+class ShardedSave:
+    """One rank's part of one sharded save, handed to the committer once DCP's ``save`` returned.
+
+    ``shard`` is the engine's record of this rank's file (None when the rank wrote none); rank 0 also holds the
+    pickled ``.metadata``, Lightning's ``meta.pt`` bytes and the names of every rank's file.
+    """
+
+    path: str
+    shard: SnapshotStats | None
+    metadata_bytes: bytes | None = None
+    meta_bytes: bytes | None = None
+    file_names: tuple[str, ...] = ()
+    marker: str | None = None  # rank 0, local: the in-flight marker (sharded/leftovers.py), removed once settled
+
+
+@dataclass
+class _Removal:
+    path: str
+    remove: Callable[[], None]
+    failures_before: int
+
+
+@dataclass
+class _Entry:
+    item: ShardedSave | _Removal
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class ShardedCommitter:
+    """Commits this rank's sharded saves in order on a thread of its own (see the module docstring).
+
+    Thread model: :meth:`submit`, :meth:`remove_after_pending`, :meth:`wait_path`, :meth:`drain` and
+    :meth:`pop_failure` are called from the training thread; the exchange and the commit run on the committer thread.
+    """
+
+    def __init__(
+        self,
+        group: Any,
+        rank: int,
+        wait_shard: Callable[[str], None],
+        writer_for: Callable[[str], StorageWriter],
+    ) -> None:
+        self._group = group
+        self._rank = rank
+        self._wait_shard = wait_shard
+        self._writer_for = writer_for
+        self._queue: queue.Queue[_Entry] = queue.Queue()
+        self._lock = threading.Lock()
+        self._pending: list[_Entry] = []
+        self._failures: deque[CheckpointFlushError] = deque()
+        self._failure_count = 0
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ training thread
+    def submit(self, save: ShardedSave) -> None:
+        """Queue ``save``'s commit behind the earlier ones."""
+        self._enqueue(_Entry(save))
+
+    def remove_after_pending(self, path: str, remove: Callable[[], None]) -> bool:
+        """Rank 0: queue ``remove`` behind every pending save; False (nothing queued) when none is pending."""
+        with self._lock:
+            if not self._pending:
+                return False
+            failures = self._failure_count
+        self._enqueue(_Entry(_Removal(path, remove, failures)))
+        return True
+
+    def is_pending(self, path: str) -> bool:
+        """Whether a save of ``path`` is not yet committed (or failed)."""
+        with self._lock:
+            return any(isinstance(e.item, ShardedSave) and e.item.path == path for e in self._pending)
+
+    def is_removal_deferred(self, path: str) -> bool:
+        """Whether a removal of ``path`` waits behind pending saves."""
+        with self._lock:
+            return any(isinstance(e.item, _Removal) and e.item.path == path for e in self._pending)
+
+    def wait_path(self, path: str) -> None:
+        """Wait until every queued save of ``path`` is committed or failed."""
+        with self._lock:
+            entries = [e for e in self._pending if isinstance(e.item, ShardedSave) and e.item.path == path]
+        for entry in entries:
+            entry.done.wait()
+
+    def drain(self) -> None:
+        """Wait until everything queued so far is done."""
+        with self._lock:
+            entries = list(self._pending)
+        for entry in entries:
+            entry.done.wait()
+
+    def pop_failure(self) -> CheckpointFlushError | None:
+        """The oldest checkpoint that another rank's failure left uncommitted, not yet reported (now it is)."""
+        with self._lock:
+            return self._failures.popleft() if self._failures else None
+
+    def _enqueue(self, entry: _Entry) -> None:
+        with self._lock:
+            self._pending.append(entry)
+            if self._thread is None or not self._thread.is_alive():
+                # A daemon: the exchange may wait for a rank that died; the callback drains before fit returns.
+                self._thread = threading.Thread(target=self._run, name="datastates-sharded-commit", daemon=True)
+                self._thread.start()
+        self._queue.put(entry)
+
+    # ------------------------------------------------------------------ committer thread
+    def _run(self) -> None:
+        while True:
+            entry = self._queue.get()
+            try:
+                if isinstance(entry.item, _Removal):
+                    self._remove(entry.item)
+                else:
+                    self._commit(entry.item)
+            except BaseException:
+                log.exception("lightning_datastates: committing %s failed", getattr(entry.item, "path", "?"))
+            finally:
+                with self._lock:
+                    self._pending.remove(entry)
+                entry.done.set()
+
+    def _commit(self, save: ShardedSave) -> None:
+        import torch.distributed as dist
+
+        own_error = None
+        if save.shard is not None:
+            self._wait_shard(save.shard.path)
+            if save.shard.state != JobState.COMMITTED.value:
+                own_error = f"its shard file {save.shard.path} was {save.shard.state}"
+        outcomes: list[str | None] = [None] * dist.get_world_size(self._group)
+        dist.all_gather_object(outcomes, own_error, group=self._group)
+        failed = [(rank, error) for rank, error in enumerate(outcomes) if error is not None]
+        verdict: list[str | None] = [None]
+        if self._rank == 0:
+            verdict[0] = self._publish(save) if not failed else self._discard(save, failed)
+        if save.marker is not None:
+            _remove_local(save.marker)  # settled: committed, or this save's files are gone
+        dist.broadcast_object_list(verdict, src=0, group=self._group)
+        if verdict[0] is not None:
+            # This rank's own failure reaches its training thread through the engine; the others learn it here.
+            report = None if own_error is not None else f"checkpoint {save.path} was not committed: {verdict[0]}"
+            self._fail(None if report is None else CheckpointFlushError(report, save.path))
+
+    def _publish(self, save: ShardedSave) -> str | None:
+        """Rank 0, every shard durable: make the directory this checkpoint. The error text if that failed."""
+        assert save.metadata_bytes is not None and save.meta_bytes is not None
+        writer = self._writer_for(save.path)
+        metadata_path = join_path(save.path, DCP_METADATA_NAME)
+        try:
+            earlier = _files_of(writer, metadata_path)
+            writer.remove(join_path(save.path, LIGHTNING_META_NAME))  # uncommit the checkpoint held before, if any
+            write_file(writer, metadata_path, save.metadata_bytes)
+            write_file(writer, join_path(save.path, LIGHTNING_META_NAME), save.meta_bytes)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank
+            log.error("lightning_datastates: committing %s failed: %r", save.path, exc)
+            self._remove_files(writer, save.path, save.file_names)
+            return f"rank 0 could not write its metadata: {exc!r}"
+        self._remove_files(writer, save.path, sorted(set(earlier) - set(save.file_names)))
+        return None
+
+    def _discard(self, save: ShardedSave, failed: list[tuple[int, str]]) -> str:
+        """Rank 0, a rank failed: remove this save's files; the directory keeps what it held. The error text."""
+        writer = self._writer_for(save.path)
+        self._remove_files(writer, save.path, save.file_names)
+        if save.marker is not None:
+            _remove_local(save.marker)
+        if not writer.exists(join_path(save.path, LIGHTNING_META_NAME)):
+            _remove_empty_local_directory(save.path)  # an empty directory named like a checkpoint would trip a resume
+        return "; ".join(f"rank {rank} failed: {error}" for rank, error in failed)
+
+    def _remove_files(self, writer: StorageWriter, directory: str, names: Any) -> None:
+        for name in names:
+            try:
+                writer.remove(join_path(directory, name))
+            except Exception as exc:  # noqa: BLE001 - a leftover file, never a wrong checkpoint
+                log.warning("lightning_datastates: could not remove %s: %r", join_path(directory, name), exc)
+
+    def _remove(self, removal: _Removal) -> None:
+        with self._lock:
+            failed = self._failure_count > removal.failures_before
+        if failed:
+            log.warning("lightning_datastates: kept %s: a newer checkpoint failed", removal.path)
+            return
+        removal.remove()
+
+    def _fail(self, error: CheckpointFlushError | None) -> None:
+        """A checkpoint was not committed: later queued removals are dropped; ``error`` is reported once."""
+        with self._lock:
+            if error is not None:
+                self._failures.append(error)
+            self._failure_count += 1
+
+
+def write_file(writer: StorageWriter, path: str, data: bytes) -> None:
+    """Write a small file through ``writer``: durable and visible at once, or not at all."""
+    session = writer.begin(path, len(data))
+    try:
+        session.write_range(0, memoryview(data))
+        session.complete()
+    except BaseException:
+        session.abort()
+        raise
+
+
+def _files_of(writer: StorageWriter, metadata_path: str) -> list[str]:
+    """The files the checkpoint of ``metadata_path`` (DCP's ``.metadata``) refers to; none if there is no such file."""
+    if not writer.exists(metadata_path):
+        return []
+    metadata = pickle.loads(bytes(writer.read_bytes(metadata_path)))
+    return sorted({info.relative_path for info in metadata.storage_data.values()})
+
+
+def _remove_local(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _remove_empty_local_directory(path: str) -> None:
+    if is_local_path(path):
+        try:
+            os.rmdir(local_path(path))
+        except OSError:
+            pass  # not empty (or gone): it keeps what it holds

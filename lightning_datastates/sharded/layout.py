@@ -1,0 +1,99 @@
+"""Plan one rank's shard file of a ``torch.distributed.checkpoint`` (DCP) save: the layout DCP's own reader reads.
+
+DCP's ``FileSystemReader`` finds each item of a rank's ``.distcp`` file by ``(relative_path, offset, length)`` in the
+checkpoint's ``.metadata``, and reads a tensor item with ``torch.load`` of those bytes, a byte item as they are. So
+the file is a sequence of independent pieces: for each tensor, the archive ``torch.save(tensor)`` writes; for each
+byte item, its bytes. :func:`plan_shard_file` plans every tensor's archive with
+:func:`~lightning_datastates.capture.layout.plan_layout` (no tensor data touched) and places the pieces one after
+the other, each starting at a multiple of the alignment, into one
+:class:`~lightning_datastates.capture.layout.CheckpointLayout`: the snapshot engine then copies and writes it as
+it does a single-file checkpoint, lazily, and the offsets DCP's metadata needs are known before any byte is copied.
+
+A tensor that views part of a larger storage is saved with that whole storage, as ``torch.save`` does (``torch.load``
+rebuilds the same view); DCP's own writer clones such tensors first, which would copy on the training thread.
+
+This module is pure: no threads, no files, no devices beyond reading tensor metadata.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from lightning_datastates.alignment import align_up
+from lightning_datastates.capture.layout import (
+    CheckpointLayout,
+    ChecksumSlot,
+    StorageRecord,
+    VerifiedStructures,
+    plan_layout,
+)
+
+#: Where each piece starts in the file when no storage alignment is set (torch's own record alignment).
+DEFAULT_PIECE_ALIGNMENT = 64
+
+
+@dataclass(frozen=True)
+class PieceExtent:
+    """Where one DCP item lies in the shard file: ``length`` bytes from ``offset``."""
+
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class ShardFilePlan:
+    """The layout of one rank's shard file, its storages (indexed by record key), and each item's extent (in the
+    order of the items given)."""
+
+    layout: CheckpointLayout
+    storages: list[torch.UntypedStorage]
+    extents: tuple[PieceExtent, ...]
+
+
+def plan_shard_file(
+    items: Sequence[torch.Tensor | bytes], alignment: int | None = None, verified: VerifiedStructures | None = None
+) -> ShardFilePlan:
+    """Plan the file holding ``items`` in order (a tensor as ``torch.save`` archives it, bytes as they are).
+
+    Every piece starts at a multiple of ``alignment`` (64 without one), and with ``alignment`` every storage's data
+    inside an archive does too (so direct I/O needs no bounce buffer).
+
+    Raises:
+        LayoutUnsupported: torch refused to plan a tensor's archive (see
+            :func:`~lightning_datastates.capture.layout.plan_layout`).
+    """
+    piece_alignment = alignment or DEFAULT_PIECE_ALIGNMENT
+    metadata: list[tuple[int, bytes]] = []
+    records: list[StorageRecord] = []
+    checksums: list[ChecksumSlot] = []
+    storages: list[torch.UntypedStorage] = []
+    extents: list[PieceExtent] = []
+    position = 0
+    for item in items:
+        start = align_up(position, piece_alignment)
+        if isinstance(item, torch.Tensor):
+            layout, item_storages = plan_layout(item, alignment, verified)
+            metadata.extend((start + offset, data) for offset, data in layout.metadata)
+            records.extend(StorageRecord(len(storages) + r.key, start + r.offset, r.nbytes) for r in layout.records)
+            checksums.extend(_shifted(slot, start) for slot in layout.checksums)
+            storages.extend(item_storages)
+            length = layout.total_bytes
+        else:
+            if item:
+                metadata.append((start, bytes(item)))
+            length = len(item)
+        if start > position:
+            metadata.append((position, bytes(start - position)))  # zeros between pieces: no one reads them
+        extents.append(PieceExtent(start, length))
+        position = start + length
+    layout = CheckpointLayout(tuple(sorted(metadata)), tuple(records), position, tuple(checksums))
+    return ShardFilePlan(layout, storages, tuple(extents))
+
+
+def _shifted(slot: ChecksumSlot, start: int) -> ChecksumSlot:
+    return replace(
+        slot, data_offset=start + slot.data_offset, crc_fields=tuple(start + field for field in slot.crc_fields)
+    )

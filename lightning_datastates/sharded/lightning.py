@@ -1,0 +1,89 @@
+"""Lightning's sharded strategies through the plugin: one switch, ``plugins=[DataStatesIO()]``.
+
+``FSDPStrategy(state_dict_type="sharded")`` and ``ModelParallelStrategy(save_distributed_checkpoint=True)`` save with
+``torch.distributed.checkpoint`` themselves and never call their ``CheckpointIO``. At setup the callback hands such a
+strategy to :func:`install`, which replaces, on that strategy object only, the methods Lightning calls:
+
+- ``save_checkpoint``: the same split as Lightning's (``state_dict`` and ``optimizer_<i>`` through DCP, the rest as
+  ``meta.pt`` on rank 0), through :class:`~lightning_datastates.sharded.saver.ShardedSaver`;
+- ``load_checkpoint``: waits for pending commits of this rank first, then Lightning's own load (DCP's reader);
+- ``lightning_module_state_dict`` and ``optimizer_state`` of ``ModelParallelStrategy``: the same state dicts without
+  ``cpu_offload``, whose copy to host memory would run synchronously on the training thread on a GPU; the engine
+  copies the shards lazily instead. (``FSDPStrategy`` keeps its own, with FSDP's offload.)
+
+:func:`uninstall` puts Lightning's methods back at teardown. DeepSpeed is left alone (it keeps its warning).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+from lightning_datastates.compat.lightning import fsdp_state_dict_type, saves_distributed_checkpoint
+from lightning_datastates.sharded.saver import ShardedSaver
+
+_PATCHED = ("save_checkpoint", "load_checkpoint", "lightning_module_state_dict", "optimizer_state")
+
+
+def saves_with_dcp(strategy: Any) -> bool:
+    """Whether ``strategy`` writes its checkpoints as DCP directories (the saves :func:`install` takes over)."""
+    if isinstance(strategy, FSDPStrategy):
+        return fsdp_state_dict_type(strategy) != "full"
+    return isinstance(strategy, ModelParallelStrategy) and saves_distributed_checkpoint(strategy)
+
+
+def install(strategy: Any, saver: ShardedSaver, drain: Any) -> None:
+    """Route ``strategy``'s sharded saves through ``saver``; ``drain()`` waits for every pending commit."""
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    original_load = strategy.load_checkpoint
+
+    def save_checkpoint(checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                f"`{type(strategy).__name__}.save_checkpoint(..., storage_options=...)` is not supported with "
+                "DataStatesIO: pass storage options once as `DataStatesIO(storage_options=...)`"
+            )
+        from lightning_datastates.plugin import checkpoint_path_str
+
+        path = checkpoint_path_str(strategy.broadcast(filepath))  # every rank saves into rank 0's directory
+        state = {"state_dict": checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        saver.save(state, checkpoint, path, dcp_save)
+
+    def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+        drain()  # a checkpoint this run saved is committed before it is read
+        return original_load(checkpoint_path, *args, **kwargs)
+
+    # On the instance: Lightning calls these through the strategy object; uninstall() drops them again.
+    patches: dict[str, Any] = {"save_checkpoint": save_checkpoint, "load_checkpoint": load_checkpoint}
+    if isinstance(strategy, ModelParallelStrategy):
+        patches["lightning_module_state_dict"] = lambda: _model_state_dict(strategy)
+        patches["optimizer_state"] = lambda optimizer: _optimizer_state(strategy, optimizer)
+    for name, method in patches.items():
+        setattr(strategy, name, method)
+
+
+def uninstall(strategy: Any) -> None:
+    """Undo :func:`install` (Lightning's methods, from the class, apply again)."""
+    for name in _PATCHED:
+        strategy.__dict__.pop(name, None)
+
+
+def _model_state_dict(strategy: Any) -> dict[str, Any]:
+    """ModelParallelStrategy's sharded model state dict, aliasing the live shards (no copy to host memory)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(strategy.model, options=StateDictOptions(full_state_dict=False, cpu_offload=False))
+
+
+def _optimizer_state(strategy: Any, optimizer: Any) -> dict[str, Any]:
+    """ModelParallelStrategy's sharded optimizer state dict, aliasing the live state (no copy to host memory)."""
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    if isinstance(optimizer, LightningOptimizer):
+        optimizer = optimizer._optimizer
+    options = StateDictOptions(full_state_dict=False, cpu_offload=False)
+    return get_optimizer_state_dict(strategy.model, optimizer, options=options)

@@ -1,0 +1,123 @@
+"""One rank's sharded save: DCP plans on the training thread, the engine copies and writes this rank's file lazily,
+the committer publishes the checkpoint once every rank's file is durable.
+
+Call order (training thread of every rank, inside the strategy's ``save_checkpoint``): :meth:`ShardedSaver.save`.
+Then, on engine threads, the copy and write of this rank's file; on the committer thread, the exchange and the commit
+(:mod:`~lightning_datastates.sharded.commit`).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from lightning_datastates.capture.layout import VerifiedStructures
+from lightning_datastates.interrupts import sigint_deferred
+from lightning_datastates.sharded.commit import ShardedCommitter, ShardedSave
+from lightning_datastates.sharded.dcp_writer import LazyShardWriter
+from lightning_datastates.sharded.layout import ShardFilePlan
+from lightning_datastates.sharded.leftovers import mark_pending
+from lightning_datastates.snapshot.engine import LazyPredicate, SnapshotEngine
+from lightning_datastates.snapshot.job import SnapshotStats
+from lightning_datastates.storage.base import StorageWriter
+from lightning_datastates.storage.local import is_local_path, local_path
+
+
+class SaverHost(Protocol):
+    """What the saver needs from the plugin (all on the training thread)."""
+
+    @property
+    def engine(self) -> SnapshotEngine:
+        """The snapshot engine that copies and writes each rank's file."""
+
+    def writer_for(self, path: str) -> StorageWriter:
+        """The storage writer for ``path``."""
+
+    def lazy_for_save(self) -> tuple[LazyPredicate | None, bool]:
+        """Which storages may be copied after the save call, and whether the call waits for the commit."""
+
+    def raise_pending_failure(self, path: str | None = None) -> None:
+        """Raise the oldest unreported background failure (of ``path`` if given)."""
+
+    def clean_stale(self, directory: str) -> list[str]:
+        """Remove what dead runs left in ``directory``."""
+
+
+class ShardedSaver:
+    """Saves this rank's part of sharded checkpoints (one per plugin and fit; see the module docstring).
+
+    ``group`` is a gloo process group over every rank, made at setup for the committer's exchange.
+    """
+
+    def __init__(self, host: SaverHost, rank: int, group: Any, alignment: int | None) -> None:
+        self._host = host
+        self.rank = rank
+        self._alignment = alignment
+        self._verified = VerifiedStructures()  # the shard files of one run repeat a few archive structures
+        self._cleaned: set[str] = set()
+        self.committer = ShardedCommitter(group, rank, host.engine.wait_path, host.writer_for)
+        self.history: list[SnapshotStats] = []
+
+    def save(self, state: dict[str, Any], meta: dict[str, Any], path: str, save: Callable[..., Any]) -> None:
+        """Save ``state`` (tensors, sharded or not) with DCP into directory ``path``, and ``meta`` as Lightning's
+        ``meta.pt`` (rank 0); return once training may go on (outside the training loop: once committed).
+
+        ``save`` is ``torch.distributed.checkpoint.save`` (a parameter so that this module imports no collective).
+
+        Raises:
+            CheckpointFlushError: an earlier background write failed (raised once).
+        """
+        host = self._host
+        host.raise_pending_failure()
+        self.committer.wait_path(path)  # an earlier save of this directory commits (or fails) first
+        writer = host.writer_for(path)
+        marker = None
+        if is_local_path(path):
+            _prepare_local_directory(local_path(path))
+            if self.rank == 0:
+                marker = mark_pending(local_path(path))  # removed at commit; a dead run's is found by the next
+        directory = os.path.dirname(path.rstrip("/")) or "."
+        if self.rank == 0 and directory not in self._cleaned:
+            self._cleaned.add(directory)
+            host.clean_stale(directory)
+        meta_bytes = _serialized(meta) if self.rank == 0 else None  # the non-tensor state as it is now
+        lazy, awaits_commit = host.lazy_for_save()
+        captured: list[SnapshotStats] = []
+
+        def capture(shard: ShardFilePlan, file_path: str) -> None:
+            stats = host.engine.capture_planned(shard.layout, shard.storages, file_path, writer, lazy, awaits_commit)
+            captured.append(stats)
+
+        dcp_writer = LazyShardWriter(path, capture, self._alignment, self._verified)
+        with sigint_deferred():  # Ctrl+C must not split a capture (see interrupts.py)
+            save(state, storage_writer=dcp_writer)
+        shard = captured[0] if captured else None
+        if shard is not None:
+            self.history.append(shard)
+        self.committer.submit(
+            ShardedSave(path, shard, dcp_writer.metadata_bytes, meta_bytes, dcp_writer.file_names, marker)
+        )
+        if awaits_commit:
+            # Outside fit's training loop: return once the checkpoint is committed, as Lightning's own save does.
+            try:
+                self.committer.wait_path(path)
+            finally:
+                host.engine.wait_copies(attribute=False)
+            host.raise_pending_failure(path)
+
+
+def _prepare_local_directory(path: str) -> None:
+    """As Lightning's sharded save: a single-file checkpoint at ``path`` makes way for the directory."""
+    if os.path.isfile(path):
+        os.unlink(path)
+    os.makedirs(path, exist_ok=True)
+
+
+def _serialized(meta: dict[str, Any]) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(meta, buffer)
+    return buffer.getvalue()

@@ -1,0 +1,192 @@
+"""A sharded CPU (gloo) run with DataStatesIO: ``ModelParallelStrategy`` + FSDP2, launched by tests/test_sharded.py.
+
+``python tests/sharded_script.py OUT --world N [--epochs E] [--resume NAME] [--fail-rank R] [--hold-rank R]``
+
+Lightning relaunches this script for ranks 1..N-1. The model's linear layers are sharded with ``fully_shard`` over N
+ranks; ``ModelCheckpoint`` saves every step (top-2 by step, plus ``last.ckpt``) into ``OUT/ckpt``. At every save call
+each rank records, synchronously, its local shards of the model and optimizer state; after fit it writes them to
+``OUT/ref/step<k>/rank<r>.pt`` (only saves whose call returned are recorded), and its final local shards to
+``OUT/final/rank<r>.pt``.
+
+Options: ``--resume NAME`` fits from ``OUT/ckpt/NAME`` (Lightning's sharded load); ``--fail-rank R``: rank R's shard
+writes fail from its 3rd checkpoint on; ``--hold-rank R``: rank R's writes of its 3rd checkpoint block forever after
+announcing ``OUT/held`` (a test then SIGKILLs the run); ``--sync``: Lightning's own synchronous save instead of the
+plugin; ``--ckpt-dir D``: save into D. ``LDS_BROKEN=barrier``: the plugin's barrier returns at once (the contract test
+must then fail). Copies are slowed (2 ms per piece) so they outlast a step, as on a real model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+import time
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_datastates.plugin as plugin_module
+from lightning_datastates import DataStatesIO
+from lightning_datastates.compat.torch import local_shard
+from lightning_datastates.copy import copier as copier_module
+from lightning_datastates.snapshot.engine import SnapshotEngine
+from lightning_datastates.storage.local import LocalWriter, LocalWriteSession
+
+WIDTH = 64
+
+
+class ShardedMLP(L.LightningModule):
+    """Three linear layers, each sharded over the data-parallel ranks (FSDP2)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 1))
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.layers:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.layers, mesh=mesh)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.layers(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def loader() -> DataLoader:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(64, WIDTH, generator=generator)
+    return DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=8)
+
+
+def local_state(checkpoint: dict) -> dict[str, torch.Tensor]:
+    """This rank's local shards of the model and optimizer state in ``checkpoint``, copied now."""
+    state = {f"state_dict.{k}": local_shard(v).clone() for k, v in checkpoint["state_dict"].items()}
+    for fqn, values in checkpoint["optimizer_states"][0]["state"].items():
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor):
+                state[f"optimizer_0.state.{fqn}.{key}"] = local_shard(value).clone()
+    return state
+
+
+class Recorder(Callback):
+    """The state at every save call (synchronous copies), written out after fit."""
+
+    def __init__(self) -> None:
+        self.saved: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        self.saved[trainer.global_step] = local_state(checkpoint)
+
+
+def slow_copies() -> None:
+    """Each piece the copier copies waits 2 ms first: copies outlast a training step of this tiny model."""
+    original = copier_module.CpuCopier.copy_pieces
+
+    def slow_copy(self, block, pieces, sources, mark):  # type: ignore[no-untyped-def]
+        crcs = {}
+        for piece in pieces:
+            time.sleep(0.002)
+            crcs.update(original(self, block, [piece], sources, mark))
+        return crcs
+
+    copier_module.CpuCopier.copy_pieces = slow_copy  # type: ignore[method-assign]
+
+
+def faulty_shard_writes(out: str, rank: int, fail: bool) -> None:
+    """From this rank's 3rd shard file on, every write fails (``fail``) or blocks forever after announcing it."""
+    started = [0]
+
+    class _Writer(LocalWriter):
+        def begin(self, path: str, total_bytes: int) -> LocalWriteSession:
+            session = super().begin(path, total_bytes)
+            if path.endswith(".distcp"):
+                started[0] += 1
+            faulty = path.endswith(".distcp") and started[0] >= 3
+
+            class _Session(LocalWriteSession):
+                def write_range(self, offset: int, data: memoryview) -> None:
+                    if faulty and fail:
+                        raise OSError(28, "No space left on device (injected)")
+                    if faulty:
+                        with open(os.path.join(out, "held"), "w") as handle:
+                            handle.write(str(os.getpid()))
+                        threading.Event().wait()  # until the test kills this process
+                    super().write_range(offset, data)
+
+            session.__class__ = _Session
+            return session
+
+    writer = _Writer()
+    plugin_module.writer_for = lambda path, storage_options=None, **_: writer  # type: ignore[assignment]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--resume")
+    parser.add_argument("--fail-rank", type=int)
+    parser.add_argument("--hold-rank", type=int)
+    parser.add_argument("--ckpt-dir", help="where ModelCheckpoint saves (default: OUT/ckpt)")
+    parser.add_argument("--sync", action="store_true", help="Lightning's own synchronous sharded save (no plugin)")
+    args = parser.parse_args()
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.set_num_threads(1)
+    slow_copies()
+    if os.environ.get("LDS_BROKEN") == "barrier":
+        SnapshotEngine.wait_copies = lambda self, attribute=True: 0.0  # type: ignore[method-assign]
+    if args.fail_rank == rank or args.hold_rank == rank:
+        faulty_shard_writes(args.out, rank, fail=args.fail_rank == rank)
+    recorder = Recorder()
+    checkpoint = ModelCheckpoint(
+        dirpath=args.ckpt_dir or os.path.join(args.out, "ckpt"),
+        every_n_train_steps=1,
+        save_top_k=2,
+        monitor="step",
+        mode="max",
+        save_last=True,
+    )
+    trainer = L.Trainer(
+        default_root_dir=args.out,
+        accelerator="cpu",
+        devices=args.world,
+        strategy=ModelParallelStrategy(data_parallel_size=args.world, tensor_parallel_size=1),
+        plugins=[] if args.sync else [DataStatesIO()],
+        callbacks=[checkpoint, recorder],
+        max_epochs=args.epochs,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    ckpt_path = os.path.join(args.out, "ckpt", args.resume) if args.resume else None
+    failure = None
+    try:
+        trainer.fit(ShardedMLP(), loader(), ckpt_path=ckpt_path)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        failure = exc
+    for step, state in recorder.saved.items():
+        os.makedirs(os.path.join(args.out, "ref", f"step{step}"), exist_ok=True)
+        torch.save(state, os.path.join(args.out, "ref", f"step{step}", f"rank{rank}.pt"))
+    model = trainer.lightning_module
+    final = {f"state_dict.{k}": local_shard(v).detach().clone() for k, v in model.state_dict().items()}
+    os.makedirs(os.path.join(args.out, "final"), exist_ok=True)
+    torch.save(final, os.path.join(args.out, "final", f"rank{rank}.pt"))
+    with open(os.path.join(args.out, f"rank{rank}.result"), "w") as handle:
+        handle.write("ok" if failure is None else f"{type(failure).__name__}: {failure}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""Sharded checkpoints through the plugin: ModelParallelStrategy + FSDP2 on 2 and 4 CPU processes (gloo), real
+Trainers launched as real processes (tests/sharded_script.py), real DCP directories.
+
+Every checkpoint directory is read back with torch's own ``dcp_to_torch_save`` (DCP's reader, one process: a
+different world size) and compared, bit for bit, with the concatenation of the local shards each rank copied
+synchronously at the save call.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from tests.conftest import assert_bit_equal, temp_files
+from tests.s3_server import free_port
+from tests.script_support import launch
+
+#: A sharded run starts slowly on a loaded 2-core machine; this only bounds a hang.
+_RUN_TIMEOUT_S = 600
+_NAMES = ["epoch=1-step=7.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"]  # 2 ranks: 4 steps per epoch, 2 epochs
+
+
+def _names(world: int) -> list[str]:
+    """What ModelCheckpoint keeps after the script's 2 epochs of 64 samples in batches of 8 per rank."""
+    steps = 2 * 64 // (8 * world)
+    return [f"epoch=1-step={steps - 1}.ckpt", f"epoch=1-step={steps}.ckpt", "last.ckpt"]
+
+
+def _run(out: pathlib.Path, *args: str, **env: str) -> str:
+    process = launch("sharded_script.py", str(out), *args, MASTER_PORT=str(free_port()), **env)
+    try:
+        output, _ = process.communicate(timeout=_RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        output, _ = process.communicate()
+        pytest.fail(f"sharded run hung:\n{output[-4000:]}")
+    assert process.returncode == 0, f"sharded run failed:\n{output[-4000:]}"
+    return output
+
+
+def _results(out: pathlib.Path, world: int) -> list[str]:
+    return [(out / f"rank{rank}.result").read_text() for rank in range(world)]
+
+
+def _read_with_dcp(directory: pathlib.Path, scratch: pathlib.Path) -> dict[str, torch.Tensor]:
+    """The checkpoint as DCP reads it on one process, flattened to the reference keys."""
+    converted = scratch / f"{directory.name}.pt"
+    dcp_to_torch_save(str(directory), str(converted))
+    full = torch.load(converted, weights_only=False)
+    flat = {f"state_dict.{k}": v for k, v in full["state_dict"].items()}
+    for fqn, values in full["optimizer_0"]["state"].items():
+        flat.update({f"optimizer_0.state.{fqn}.{key}": v for key, v in values.items() if isinstance(v, torch.Tensor)})
+    return dict(sorted(flat.items()))
+
+
+def _expected(out: pathlib.Path, step: int, world: int) -> dict[str, torch.Tensor]:
+    """The state at the save call of ``step``: each rank's synchronous copy of its shards, joined (FSDP2 splits
+    dim 0)."""
+    shards = [torch.load(out / "ref" / f"step{step}" / f"rank{rank}.pt") for rank in range(world)]
+    expected = {}
+    for key, first in shards[0].items():
+        if first.dim() == 0:  # replicated (AdamW's step): every rank holds the same value
+            for shard in shards[1:]:
+                assert_bit_equal(shard[key], first, f"replicated {key} at step {step}")
+            expected[key] = first
+        else:
+            expected[key] = torch.cat([shard[key] for shard in shards])
+    return dict(sorted(expected.items()))
+
+
+def _step_of(directory: pathlib.Path) -> int:
+    return torch.load(directory / "meta.pt", weights_only=False)["global_step"]
+
+
+def _mismatches(out: pathlib.Path, world: int, scratch: pathlib.Path) -> list[str]:
+    """The checkpoint directories whose content differs from the state at their save call."""
+    wrong = []
+    for directory in sorted((out / "ckpt").iterdir()):
+        try:
+            expected = _expected(out, _step_of(directory), world)
+            assert_bit_equal(_read_with_dcp(directory, scratch), expected, directory.name)
+        except AssertionError:
+            wrong.append(directory.name)
+    return wrong
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_rank_saves_its_shards_as_at_the_save_call_and_dcp_reads_them(tmp_path, world):
+    _run(tmp_path, "--world", str(world))
+    assert _results(tmp_path, world) == ["ok"] * world
+    checkpoint_dir = tmp_path / "ckpt"
+    assert sorted(os.listdir(checkpoint_dir)) == _names(world)  # top-2 by step and last.ckpt, as a synchronous run
+    for name in _names(world):
+        files = sorted(os.listdir(checkpoint_dir / name))
+        assert files[:2] == [".metadata", "meta.pt"] or files[-1] == "meta.pt", files
+        assert sorted(f for f in files if f.endswith(".distcp")) == sorted(f for f in files if f.startswith("__"))
+        assert len(files) == 2 + world, files  # one file per rank; the earlier saves of last.ckpt were removed
+    assert _mismatches(tmp_path, world, tmp_path) == []
+    assert temp_files(str(tmp_path)) == []
+
+
+@pytest.mark.slow
+def test_the_contract_check_fails_without_the_barrier(tmp_path):
+    """The broken variant: barriers return at once, so the optimizer updates shards that are still being copied."""
+    _run(tmp_path, "--world", "2", LDS_BROKEN="barrier")
+    assert _mismatches(tmp_path, 2, tmp_path) != []
+
+
+@pytest.mark.slow
+def test_names_and_content_match_lightning_synchronous_sharded_save(tmp_path):
+    ours, theirs = tmp_path / "ours", tmp_path / "sync"
+    _run(ours, "--world", "2")
+    _run(theirs, "--world", "2", "--sync")
+    assert sorted(os.listdir(ours / "ckpt")) == sorted(os.listdir(theirs / "ckpt")) == _NAMES
+    for name in _NAMES:
+        theirs_read = _read_with_dcp(theirs / "ckpt" / name, theirs)
+        assert_bit_equal(_read_with_dcp(ours / "ckpt" / name, ours), theirs_read, name)
+        assert _step_of(ours / "ckpt" / name) == _step_of(theirs / "ckpt" / name)
+
+
+@pytest.mark.slow
+def test_resume_from_a_sharded_checkpoint_reproduces_the_uninterrupted_run(tmp_path):
+    uninterrupted, resumed = tmp_path / "whole", tmp_path / "resumed"
+    _run(uninterrupted, "--world", "2", "--epochs", "2")
+    _run(resumed, "--world", "2", "--epochs", "1")
+    _run(resumed, "--world", "2", "--epochs", "2", "--resume", "last.ckpt")  # Lightning's own sharded load
+    for rank in (0, 1):
+        final = torch.load(resumed / "final" / f"rank{rank}.pt")
+        assert_bit_equal(final, torch.load(uninterrupted / "final" / f"rank{rank}.pt"), f"rank {rank} after resume")
+
+
+@pytest.mark.slow
+def test_a_rank_that_fails_its_flush_leaves_the_checkpoint_uncommitted_on_every_rank(tmp_path):
+    _run(tmp_path, "--world", "2", "--fail-rank", "1")
+    results = _results(tmp_path, 2)
+    assert results[1].startswith("CheckpointFlushError: writing checkpoint") and "__1_" in results[1], results
+    assert results[0].startswith("CheckpointFlushError: checkpoint") and "rank 1 failed" in results[0], results
+    # Whatever is on storage is a whole checkpoint equal to its save call's state, or nothing: no directory holds
+    # rank 0's new file without the others, and none without meta.pt.
+    for directory in (tmp_path / "ckpt").iterdir():
+        assert (directory / "meta.pt").is_file() and (directory / ".metadata").is_file(), directory
+    assert _mismatches(tmp_path, 2, tmp_path) == []
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_flush_leaves_no_checkpoint_and_the_next_run_cleans_up(tmp_path):
+    args = ("--world", "2", "--hold-rank", "1")
+    process = launch("sharded_script.py", str(tmp_path), *args, MASTER_PORT=str(free_port()))
+    try:
+        deadline = time.monotonic() + _RUN_TIMEOUT_S
+        while not (tmp_path / "held").exists():
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()[0][-4000:]
+            time.sleep(0.05)
+        time.sleep(0.2)  # rank 0 goes on into the exchange
+        os.kill(int((tmp_path / "held").read_text()), signal.SIGKILL)  # rank 1, mid-flush
+    finally:
+        time.sleep(1.0)
+        os.killpg(process.pid, signal.SIGKILL) if _own_group(process) else process.kill()
+        process.communicate()
+        _kill_leftover_ranks(tmp_path)
+    checkpoint_dir = tmp_path / "ckpt"
+    committed = [d for d in checkpoint_dir.iterdir() if (d / "meta.pt").is_file()]
+    uncommitted = [d for d in checkpoint_dir.iterdir() if not (d / "meta.pt").is_file()]
+    assert uncommitted, "the held save should have left an uncommitted directory"
+    for directory in committed:  # the earlier checkpoints are whole
+        dcp_to_torch_save(str(directory), str(tmp_path / "check.pt"))
+    # The next run in the same directory removes the dead run's leftovers before its first save.
+    _run(tmp_path / "next", "--world", "2", "--epochs", "1", "--ckpt-dir", str(checkpoint_dir))
+    for directory in checkpoint_dir.iterdir():
+        assert (directory / "meta.pt").is_file(), directory
+    assert not any(name.endswith(".datastates-pending") for _, _, names in os.walk(checkpoint_dir) for name in names)
+
+
+def _own_group(process: subprocess.Popen[str]) -> bool:
+    try:
+        return os.getpgid(process.pid) == process.pid
+    except ProcessLookupError:
+        return False
+
+
+def _kill_leftover_ranks(out: pathlib.Path) -> None:
+    """Lightning launched rank 1 as a child of rank 0: kill any process still running this script for ``out``."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmdline = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(part.endswith(b"sharded_script.py") for part in cmdline) and str(out).encode() in cmdline:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
