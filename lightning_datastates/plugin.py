@@ -301,6 +301,8 @@ class DataStatesIO(CheckpointIO):
             return
         if path is None and self.config.on_flush_error == "warn":
             self._engine.warn_failures()
+            while self._sharded is not None and (uncommitted := self._sharded.committer.pop_failure()) is not None:
+                log.warning("lightning_datastates: %s; training goes on (on_flush_error='warn')", uncommitted)
             return
         job = self._engine.pop_failure(path)
         if job is not None:

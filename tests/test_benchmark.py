@@ -211,3 +211,23 @@ def test_dcp_uses_a_new_stager_per_save_where_torch_closes_it_after_staging(tmp_
     io.teardown()
     assert len(recorder.checkpoints) == 3
     assert all((tmp_path / f"c{step}" / ".metadata").is_file() for step in range(3))
+
+
+@pytest.mark.slow
+def test_sharded_benchmark_runs_every_method_over_two_ranks(tmp_path: Any) -> None:
+    """Functional: each method trains over two ranks and is reported (figures are the benchmark's, not a test's)."""
+    completed = subprocess.run(
+        [sys.executable, "-m", "lightning_datastates.benchmark.sharded", "--world", "2", "--model", "3M"]
+        + ["--steps", "10", "--every", "4", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    result = json.loads((tmp_path / "sharded-benchmark.json").read_text())
+    assert list(result["table"]) == ["none", "sync", "dcp", "datastates"]
+    for method, row in result["table"].items():
+        assert row["loop_s"] > 0 and row["shard_bytes"] > 0
+        assert (row["blocked_s"] is None) == (method == "none") and row["checkpoints"] == (0 if method == "none" else 2)
+        assert [rank["rank"] for rank in result["ranks"][method]] == [0, 1]
+    assert "| datastates |" in (tmp_path / "sharded-benchmark.md").read_text()

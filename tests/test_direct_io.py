@@ -85,7 +85,7 @@ def test_direct_io_is_validated_and_reaches_the_local_writer(tmp_path) -> None:
     assert DataStatesIO().config.direct_io == "auto"
     for value in (True, False, "auto"):
         plugin = DataStatesIO(direct_io=value)
-        writer = plugin._writer(str(tmp_path / "x.ckpt"))
+        writer = plugin.writer_for(str(tmp_path / "x.ckpt"))
         assert isinstance(writer, LocalWriter) and writer.direct_io == value
     for bad in ("yes", 1, None, "AUTO"):
         with pytest.raises(ConfigError, match="direct_io must be 'auto'"):
@@ -129,7 +129,7 @@ def test_auto_leaves_network_fuse_and_memory_file_systems_to_the_page_cache(tmp_
 
 @pytest.mark.parametrize("direct_io", ["auto", False])
 def test_default_writes_use_o_direct_where_the_file_system_takes_it(tmp_path, direct_io) -> None:
-    session = DataStatesIO(direct_io=direct_io)._writer(str(tmp_path / "x.ckpt")).begin(str(tmp_path / "x.ckpt"), 0)
+    session = DataStatesIO(direct_io=direct_io).writer_for(str(tmp_path / "x.ckpt")).begin(str(tmp_path / "x.ckpt"), 0)
     try:
         expected = (
             direct_io == "auto" and direct_io_module.direct_io_suits(str(tmp_path)) and _direct_io_works(str(tmp_path))

@@ -269,7 +269,7 @@ def test_retained_checkpoints_never_make_on_arena_full_skip(tmp_path) -> None:
     plugin = in_background(DataStatesIO(host_cache="1MiB", on_arena_full="skip"), lazy=True)
     for index in range(3):
         path = str(tmp_path / f"{index}.ckpt")
-        stats = plugin.engine.capture(_checkpoint(index, 700 * KiB), path, plugin._writer(path), lambda s: True)
+        stats = plugin.engine.capture(_checkpoint(index, 700 * KiB), path, plugin.writer_for(path), lambda s: True)
         plugin.engine.wait_copies()
         plugin.engine.wait_path(path)
         assert stats.state == "committed"

@@ -45,6 +45,8 @@ log = logging.getLogger("lightning_datastates")
 #: Lightning's file in a sharded checkpoint directory (``lightning.fabric.utilities.load._METADATA_FILENAME``): it
 #: makes the directory a checkpoint for Lightning's load.
 LIGHTNING_META_NAME = "meta.pt"
+#: How an outcome that is a skip, not a failure, begins.
+_SKIPPED = "skipped: "
 #: How long a rank waits for the others in an exchange before the checkpoint counts as failed.
 DEFAULT_EXCHANGE_TIMEOUT = timedelta(minutes=30)
 
@@ -177,7 +179,9 @@ class ShardedCommitter:
         own_error = None
         if save.shard is not None:
             self._wait_shard(save.shard.path)
-            if save.shard.state != JobState.COMMITTED.value:
+            if save.shard.state == JobState.SKIPPED.value:
+                own_error = f"{_SKIPPED}its host arena was full (on_arena_full='skip')"
+            elif save.shard.state != JobState.COMMITTED.value:
                 own_error = f"its shard file {save.shard.path} was {save.shard.state}"
         outcomes: list[str | None] = [None] * dist.get_world_size(self._group)
         dist.all_gather_object(outcomes, own_error, group=self._group)
@@ -189,8 +193,14 @@ class ShardedCommitter:
             _remove_local(save.marker)  # settled: committed, or this save's files are gone
         dist.broadcast_object_list(verdict, src=0, group=self._group)
         if verdict[0] is not None:
-            # This rank's own failure reaches its training thread through the engine; the others learn it here.
-            report = None if own_error is not None else f"checkpoint {save.path} was not committed: {verdict[0]}"
+            # This rank's own failure reaches its training thread through the engine; the others learn it here. A
+            # checkpoint skipped by choice (on_arena_full="skip") is no failure: it is logged, as a skipped file is.
+            skipped = bool(failed) and all(error.startswith(_SKIPPED) for _, error in failed)
+            report: str | None = f"checkpoint {save.path} was not committed: {verdict[0]}"
+            if own_error is not None or skipped:
+                report = None
+            if skipped and self._rank == 0:
+                log.warning("lightning_datastates: skipped sharded checkpoint %s: %s", save.path, verdict[0])
             self._fail(None if report is None else CheckpointFlushError(report, save.path))
 
     def _publish(self, save: ShardedSave) -> str | None:

@@ -33,9 +33,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from lightning_datastates.capture.layout import VerifiedStructures
 from lightning_datastates.compat.torch import dcp_storage_info
-from lightning_datastates.sharded.layout import ShardFilePlan, plan_shard_file
+from lightning_datastates.sharded.layout import ArchivePlans, ShardFilePlan, plan_shard_file
 
 #: DCP's suffix of data files.
 SHARD_SUFFIX = ".distcp"
@@ -71,16 +70,13 @@ class LazyShardWriter(StorageWriter):
     :attr:`file_names` every rank's file.
     """
 
-    def __init__(
-        self, path: str, capture: ShardCapture, alignment: int | None, verified: VerifiedStructures | None = None
-    ) -> None:
+    def __init__(self, path: str, capture: ShardCapture, plans: ArchivePlans) -> None:
         super().__init__()
         self.path = path
         self.token = uuid.uuid4().hex[:12]
         self.save_id = uuid.uuid4().hex
         self._capture = capture
-        self._alignment = alignment
-        self._verified = verified
+        self._plans = plans
         self.rank = 0
         self.is_coordinator = False
         self.shard_path: str | None = None
@@ -119,7 +115,7 @@ class LazyShardWriter(StorageWriter):
         payloads = [_payload(planner.resolve_data(item)) for item in plan.items]
         results: list[WriteResult] = []
         if plan.items:
-            shard = plan_shard_file(payloads, self._alignment, self._verified)
+            shard = plan_shard_file(payloads, self._plans.alignment, self._plans)
             self.shard_path = join_path(self.path, name)
             self._capture(shard, self.shard_path)
             results = [

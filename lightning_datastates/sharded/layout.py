@@ -53,18 +53,70 @@ class ShardFilePlan:
     extents: tuple[PieceExtent, ...]
 
 
+class ArchivePlans:
+    """Archive layouts already planned, by tensor signature: the saves of one run repeat the same shards.
+
+    ``torch.save`` of a plain tensor pickles only its dtype, shape, strides, storage offset, its storage's size and
+    device, and ``requires_grad``; two tensors equal in all of these get byte-identical archives (but for the payload,
+    its CRC-32 fields, which the writer fills, and torch's random serialization id), so a layout planned and
+    self-checked for one serves the other. Tensor subclasses and tensors with Python attributes are planned each
+    time. Not thread-safe: one per saver, used on the training thread.
+    """
+
+    def __init__(self, alignment: int | None, verified: VerifiedStructures | None = None) -> None:
+        self.alignment = alignment
+        self._verified = verified
+        self._layouts: dict[tuple[object, ...], CheckpointLayout] = {}
+        #: Plans served from the cache (for tests and diagnostics).
+        self.hits = 0
+
+    def plan(self, tensor: torch.Tensor) -> tuple[CheckpointLayout, list[torch.UntypedStorage]]:
+        """The layout of ``torch.save(tensor)`` and its storages (see :func:`plan_layout`)."""
+        key = _signature(tensor)
+        layout = None if key is None else self._layouts.get(key)
+        if layout is not None:
+            self.hits += 1
+            return layout, [tensor.untyped_storage()]
+        layout, storages = plan_layout(tensor, self.alignment, self._verified)
+        if key is not None and len(storages) == 1:
+            self._layouts[key] = layout
+        return layout, storages
+
+
+def _signature(tensor: torch.Tensor) -> tuple[object, ...] | None:
+    """What ``torch.save`` pickles of a plain tensor; None for anything else (planned every time)."""
+    if type(tensor) is not torch.Tensor or tensor.__dict__ or tensor.is_conj() or tensor.is_neg():
+        return None
+    if tensor.layout != torch.strided or tensor.is_quantized:
+        return None
+    storage = tensor.untyped_storage()
+    return (
+        tensor.dtype,
+        tuple(tensor.shape),
+        tensor.stride(),
+        tensor.storage_offset(),
+        storage.nbytes(),
+        str(storage.device),
+        tensor.requires_grad,
+    )
+
+
 def plan_shard_file(
-    items: Sequence[torch.Tensor | bytes], alignment: int | None = None, verified: VerifiedStructures | None = None
+    items: Sequence[torch.Tensor | bytes], alignment: int | None = None, plans: ArchivePlans | None = None
 ) -> ShardFilePlan:
     """Plan the file holding ``items`` in order (a tensor as ``torch.save`` archives it, bytes as they are).
 
     Every piece starts at a multiple of ``alignment`` (64 without one), and with ``alignment`` every storage's data
-    inside an archive does too (so direct I/O needs no bounce buffer).
+    inside an archive does too (so direct I/O needs no bounce buffer). ``plans`` (for the same ``alignment``) keeps
+    the archives planned by earlier saves.
 
     Raises:
         LayoutUnsupported: torch refused to plan a tensor's archive (see
             :func:`~lightning_datastates.capture.layout.plan_layout`).
     """
+    plans = ArchivePlans(alignment) if plans is None else plans
+    if plans.alignment != alignment:
+        raise ValueError(f"archive plans for alignment {plans.alignment} used with alignment {alignment}")
     piece_alignment = alignment or DEFAULT_PIECE_ALIGNMENT
     metadata: list[tuple[int, bytes]] = []
     records: list[StorageRecord] = []
@@ -75,7 +127,7 @@ def plan_shard_file(
     for item in items:
         start = align_up(position, piece_alignment)
         if isinstance(item, torch.Tensor):
-            layout, item_storages = plan_layout(item, alignment, verified)
+            layout, item_storages = plans.plan(item)
             metadata.extend((start + offset, data) for offset, data in layout.metadata)
             records.extend(StorageRecord(len(storages) + r.key, start + r.offset, r.nbytes) for r in layout.records)
             checksums.extend(_shifted(slot, start) for slot in layout.checksums)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import os
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -19,7 +20,7 @@ from lightning_datastates.capture.layout import VerifiedStructures
 from lightning_datastates.interrupts import sigint_deferred
 from lightning_datastates.sharded.commit import ShardedCommitter, ShardedSave
 from lightning_datastates.sharded.dcp_writer import LazyShardWriter
-from lightning_datastates.sharded.layout import ShardFilePlan
+from lightning_datastates.sharded.layout import ArchivePlans, ShardFilePlan
 from lightning_datastates.sharded.leftovers import mark_pending
 from lightning_datastates.snapshot.engine import LazyPredicate, SnapshotEngine
 from lightning_datastates.snapshot.job import SnapshotStats
@@ -56,11 +57,10 @@ class ShardedSaver:
     def __init__(self, host: SaverHost, rank: int, group: Any, alignment: int | None) -> None:
         self._host = host
         self.rank = rank
-        self._alignment = alignment
-        self._verified = VerifiedStructures()  # the shard files of one run repeat a few archive structures
+        # The saves of one run repeat the same shards: their archives are planned once.
+        self._plans = ArchivePlans(alignment, VerifiedStructures())
         self._cleaned: set[str] = set()
         self.committer = ShardedCommitter(group, rank, host.engine.wait_path, host.writer_for)
-        self.history: list[SnapshotStats] = []
 
     def save(self, state: dict[str, Any], meta: dict[str, Any], path: str, save: Callable[..., Any]) -> None:
         """Save ``state`` (tensors, sharded or not) with DCP into directory ``path``, and ``meta`` as Lightning's
@@ -71,6 +71,7 @@ class ShardedSaver:
         Raises:
             CheckpointFlushError: an earlier background write failed (raised once).
         """
+        started = time.perf_counter()
         host = self._host
         host.raise_pending_failure()
         self.committer.wait_path(path)  # an earlier save of this directory commits (or fails) first
@@ -92,12 +93,12 @@ class ShardedSaver:
             stats = host.engine.capture_planned(shard.layout, shard.storages, file_path, writer, lazy, awaits_commit)
             captured.append(stats)
 
-        dcp_writer = LazyShardWriter(path, capture, self._alignment, self._verified)
+        dcp_writer = LazyShardWriter(path, capture, self._plans)
         with sigint_deferred():  # Ctrl+C must not split a capture (see interrupts.py)
             save(state, storage_writer=dcp_writer)
         shard = captured[0] if captured else None
         if shard is not None:
-            self.history.append(shard)
+            shard.save_call_s = time.perf_counter() - started  # DCP's planning collectives included
         self.committer.submit(
             ShardedSave(path, shard, dcp_writer.metadata_bytes, meta_bytes, dcp_writer.file_names, marker)
         )

@@ -1,0 +1,198 @@
+"""The parts of sharded saves that need no process group: the shard file layout (pure), DCP's ``StorageWriter``
+seam in one process, the commit's file order, the cleanup of dead saves, and one sharded fit on S3 (moto)."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+from lightning_datastates import DataStatesIO
+from lightning_datastates.sharded.commit import LIGHTNING_META_NAME
+from lightning_datastates.sharded.dcp_writer import DCP_METADATA_NAME, LazyShardWriter
+from lightning_datastates.sharded.layout import ArchivePlans, plan_shard_file
+from lightning_datastates.sharded.leftovers import PENDING_SUFFIX, clean_sharded_leftovers, mark_pending
+from lightning_datastates.storage.leftovers import host_tag
+from tests.conftest import BNModel, assert_bit_equal, make_loader, make_trainer
+from tests.s3_server import (  # noqa: F401 - the *_fixture imports register the fixtures
+    free_port,
+    s3_endpoint_fixture,
+    s3_fixture,
+)
+
+
+def _write(plan, path: str) -> None:
+    """Write a planned file the plain way: metadata, each storage's bytes at its record, each CRC-32 field zero."""
+    data = bytearray(plan.layout.total_bytes)
+    for offset, chunk in plan.layout.metadata:
+        data[offset : offset + len(chunk)] = chunk
+    for record in plan.layout.records:
+        storage = plan.storages[record.key]
+        data[record.offset : record.offset + record.nbytes] = bytes(storage)
+    with open(path, "wb") as handle:
+        handle.write(data)
+
+
+@pytest.mark.parametrize("alignment", [None, 4096])
+def test_each_item_of_a_shard_file_loads_with_torch_load_of_its_extent(tmp_path, alignment):
+    base = torch.arange(100, dtype=torch.float32)
+    items = [torch.randn(7, 5), b"pickled bytes", torch.arange(12, dtype=torch.int64).reshape(3, 4), base[10:20], b""]
+    plan = plan_shard_file(items, alignment)
+    path = tmp_path / "shard.distcp"
+    _write(plan, str(path))
+    blob = path.read_bytes()
+    assert len(plan.extents) == len(items)
+    previous_end = 0
+    for item, extent in zip(items, plan.extents, strict=True):
+        assert extent.offset % (alignment or 64) == 0 and extent.offset >= previous_end
+        previous_end = extent.offset + extent.length
+        piece = blob[extent.offset : extent.offset + extent.length]
+        if isinstance(item, bytes):
+            assert piece == item
+        else:  # a view is saved with its storage, as torch.save does; torch.load rebuilds the same view
+            assert_bit_equal(torch.load(io.BytesIO(piece), weights_only=True), item, "item")
+    if alignment:
+        assert all(r.offset % alignment == 0 for r in plan.layout.records if r.nbytes)
+
+
+def _capture_to_disk(shard, file_path: str) -> None:
+    _write(shard, file_path)
+
+
+def test_dcp_save_through_the_writer_seam_is_read_by_dcp_once_the_metadata_is_written(tmp_path):
+    """One process, no process group: DCP drives the writer as on every rank; ``.metadata`` is not written by it."""
+    state = {"model": {"w": torch.randn(16, 8), "b": torch.zeros(8)}, "extra": {"lr": 0.1, "names": ["a"]}}
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    writer = LazyShardWriter(str(directory), _capture_to_disk, ArchivePlans(None))
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    assert not (directory / DCP_METADATA_NAME).exists()  # the commit writes it, once every rank's file is durable
+    assert writer.shard_path is not None and os.path.basename(writer.shard_path) in writer.file_names
+    (directory / DCP_METADATA_NAME).write_bytes(writer.metadata_bytes)
+    target = {"model": {"w": torch.empty(16, 8), "b": torch.ones(8)}, "extra": {"lr": 0.0, "names": []}}
+    dcp.load(target, checkpoint_id=str(directory), no_dist=True)
+    assert_bit_equal(target, state, "loaded")
+    # A second save into the same directory uses new file names: the committed files stay as they are.
+    second = LazyShardWriter(str(directory), _capture_to_disk, ArchivePlans(None))
+    dcp.save(state, storage_writer=second, no_dist=True)
+    assert set(second.file_names).isdisjoint(writer.file_names)
+
+
+def _dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def _dead_marker(directory) -> None:
+    (directory / f".commit.{host_tag()}.{_dead_pid()}.deadbeef{PENDING_SUFFIX}").write_bytes(b"")
+
+
+def test_dead_sharded_saves_are_removed_and_committed_checkpoints_kept(tmp_path):
+    uncommitted = tmp_path / "epoch=0-step=3.ckpt"  # died in flight: no meta.pt
+    uncommitted.mkdir()
+    (uncommitted / "__0_abc.distcp").write_bytes(b"x")
+    _dead_marker(uncommitted)
+    resaved = tmp_path / "last.ckpt"  # a re-save of a committed checkpoint that died: the old one stays
+    resaved.mkdir()
+    storage = {"item": _StorageInfo("__0_old.distcp")}
+    (resaved / DCP_METADATA_NAME).write_bytes(pickle.dumps(_Metadata(storage)))
+    (resaved / LIGHTNING_META_NAME).write_bytes(b"meta")
+    (resaved / "__0_old.distcp").write_bytes(b"old")
+    (resaved / "__0_new.distcp").write_bytes(b"new")
+    _dead_marker(resaved)
+    live = tmp_path / "live.ckpt"  # a save of this process in flight: untouched
+    live.mkdir()
+    (live / "__0_x.distcp").write_bytes(b"x")
+    mark_pending(str(live))
+    removed = clean_sharded_leftovers(str(tmp_path), max_age_s=3600)
+    assert not uncommitted.exists()
+    assert sorted(os.listdir(resaved)) == [DCP_METADATA_NAME, "__0_old.distcp", LIGHTNING_META_NAME]
+    assert len(os.listdir(live)) == 2
+    assert str(uncommitted) in removed and str(resaved / "__0_new.distcp") in removed
+
+
+@dataclass
+class _StorageInfo:
+    """Stands in for DCP's per-item storage record in the test above (only its file name is read)."""
+
+    relative_path: str
+
+
+class _Metadata:
+    """Stands in for DCP's Metadata in the test above (pickled by reference to this module)."""
+
+    def __init__(self, storage_data: dict) -> None:
+        self.storage_data = storage_data
+
+
+class _ParallelBNModel(BNModel):
+    def configure_model(self) -> None:
+        pass
+
+
+def test_sharded_fit_on_s3_commits_each_checkpoint_after_its_files(tmp_path, s3, monkeypatch):
+    """One process (ModelParallel on CPU), checkpoints in a moto bucket, read back with DCP's fsspec reader."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    torch.manual_seed(0)
+    checkpoint = ModelCheckpoint(dirpath=s3.url("run"), every_n_train_steps=1, save_top_k=2, monitor="step", mode="max")
+    trainer = make_trainer(
+        str(tmp_path),
+        DataStatesIO(storage_options=s3.storage_options),
+        callbacks=[checkpoint],
+        strategy=ModelParallelStrategy(),
+        devices=1,
+        max_epochs=1,
+    )
+    try:
+        trainer.fit(_ParallelBNModel(width=32), make_loader(n=32))
+        keys = s3.keys("run/")
+        directories = sorted({key.split("/")[1] for key in keys})
+        assert directories == ["epoch=0-step=3.ckpt", "epoch=0-step=4.ckpt"]
+        for directory in directories:
+            names = sorted(key.split("/")[2] for key in keys if key.split("/")[1] == directory)
+            assert names[:2] == [DCP_METADATA_NAME, "__0_" + names[1][4:]] and names[-1] == LIGHTNING_META_NAME
+        final = s3.url("run/epoch=0-step=4.ckpt")
+        state = {k: torch.zeros_like(v) for k, v in trainer.lightning_module.state_dict().items()}
+        reader = FsspecReader(final, **s3.storage_options)
+        dcp.load({"state_dict": state}, storage_reader=reader, no_dist=True)
+        assert_bit_equal(state, trainer.lightning_module.state_dict(), "model after fit")
+        meta = torch.load(io.BytesIO(s3.read("run/epoch=0-step=4.ckpt/meta.pt")), weights_only=False)
+        assert meta["global_step"] == 4
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def test_archives_planned_once_serve_later_tensors_of_the_same_signature_only(tmp_path):
+    plans = ArchivePlans(None)
+    base = torch.arange(100, dtype=torch.float32)
+    first = [torch.randn(4, 6), base[10:20], torch.ones(3, dtype=torch.bfloat16)]
+    plan_shard_file(first, None, plans)
+    assert plans.hits == 0
+    # Same dtypes, shapes, strides, offsets and storage sizes, other values: every archive comes from the cache ...
+    other = torch.arange(100, 200, dtype=torch.float32)
+    second = [torch.randn(4, 6), other[10:20], torch.zeros(3, dtype=torch.bfloat16)]
+    # ... but a view at another offset, a transposed view and another dtype are planned anew.
+    different = [base[20:30], torch.randn(6, 4).t(), torch.ones(3, dtype=torch.float16)]
+    plan = plan_shard_file(second + different, None, plans)
+    assert plans.hits == len(second)
+    path = tmp_path / "shard.distcp"
+    _write(plan, str(path))
+    blob = path.read_bytes()
+    for item, extent in zip(second + different, plan.extents, strict=True):
+        loaded = torch.load(io.BytesIO(blob[extent.offset : extent.offset + extent.length]), weights_only=True)
+        assert_bit_equal(loaded, item, "item")
+        assert loaded.stride() == item.stride() and loaded.storage_offset() == item.storage_offset()
