@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import time
 from typing import IO, TYPE_CHECKING, Any, Protocol, cast
 
@@ -18,7 +17,7 @@ import torch
 from fsspec.core import split_protocol
 from lightning.pytorch.plugins.io import CheckpointIO
 
-from lightning_datastates.compat.lightning import CheckpointPath
+from lightning_datastates.compat.lightning import CheckpointPath, checkpoint_path_str
 from lightning_datastates.config import (
     USER_SETTINGS,
     ArenaFullPolicy,
@@ -33,7 +32,7 @@ from lightning_datastates.load.reader import load_checkpoint
 from lightning_datastates.sharded.leftovers import clean_sharded_leftovers
 from lightning_datastates.snapshot.engine import LazyPredicate, SnapshotEngine
 from lightning_datastates.snapshot.job import SnapshotStats
-from lightning_datastates.storage import StorageWriter, is_local_path, local_path, writer_for
+from lightning_datastates.storage import StorageWriter, is_local_path, writer_for
 from lightning_datastates.storage.base import DEFAULT_STALE_AGE_S
 
 if TYPE_CHECKING:
@@ -316,8 +315,8 @@ class DataStatesIO(CheckpointIO):
         """Remove temporary files that crashed runs left in ``directory`` (done once per directory)."""
         self._cleaned_directories.add(directory)
         removed = self.writer_for(directory).clean_stale(directory, max_age_s=self.config.stale_after_s)
-        if is_local_path(directory):  # sharded saves that died in flight (their directories)
-            removed += clean_sharded_leftovers(local_path(directory), self.config.stale_after_s)
+        # Sharded saves that died in flight (their directories).
+        removed += clean_sharded_leftovers(self.writer_for(directory), directory, self.config.stale_after_s)
         if removed:
             log.info("lightning_datastates: removed %d stale temporary file(s) in %s", len(removed), directory)
         return removed
@@ -385,13 +384,3 @@ class DataStatesIO(CheckpointIO):
 
 def _every_storage(storage: Any) -> bool:
     return True
-
-
-def checkpoint_path_str(path: CheckpointPath) -> str:
-    """``path`` as a string; a URL that ``pathlib`` collapsed (``s3:/b/k``) is restored."""
-    text = os.fspath(path)
-    # pathlib collapses "s3://bucket/key" into "s3:/bucket/key" (FSDP and ModelParallel pass Paths): restore it.
-    return _COLLAPSED_URL.sub(r"\1://", text) if not isinstance(path, str) else text
-
-
-_COLLAPSED_URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]+):/(?!/)")

@@ -21,7 +21,7 @@ import torch
 
 import lightning_datastates.plugin as plugin_module
 from lightning_datastates import DataStatesIO
-from lightning_datastates.plugin import checkpoint_path_str
+from lightning_datastates.compat.lightning import checkpoint_path_str
 from lightning_datastates.snapshot import threads as threads_module
 from lightning_datastates.snapshot.engine import SnapshotEngine
 

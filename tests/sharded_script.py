@@ -11,16 +11,21 @@ each rank records, synchronously, its local shards of the model and optimizer st
 Options: ``--resume NAME`` fits from ``OUT/ckpt/NAME`` (Lightning's sharded load); ``--fail-rank R``: rank R's shard
 writes fail from its 3rd checkpoint on; ``--hold-rank R``: rank R's writes of its 3rd checkpoint block forever after
 announcing ``OUT/held`` (a test then SIGKILLs the run); ``--sync``: Lightning's own synchronous save instead of the
-plugin; ``--ckpt-dir D``: save into D. ``LDS_BROKEN=barrier``: the plugin's barrier returns at once (the contract test
-must then fail). Copies are slowed (2 ms per piece) so they outlast a step, as on a real model.
+plugin; ``--ckpt-dir D``: save into D (``s3://...`` with ``--storage-options JSON``); ``--on-flush-error warn``;
+``--no-last``: no ``last.ckpt``, so one save per step (a second save of a step would wait for the first's copies,
+which these slowed copies make long, and hide a missing barrier). ``LDS_BROKEN=barrier``: the plugin's barrier
+returns at once (the contract test must then fail). Copies are slowed (20 ms per lazily copied piece) so that they
+outlast a step, as on a real model.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import threading
 import time
+from typing import Any
 
 import lightning as L
 import torch
@@ -34,7 +39,6 @@ from lightning_datastates import DataStatesIO
 from lightning_datastates.compat.torch import local_shard
 from lightning_datastates.copy import copier as copier_module
 from lightning_datastates.snapshot.engine import SnapshotEngine
-from lightning_datastates.storage.local import LocalWriter, LocalWriteSession
 
 WIDTH = 64
 
@@ -91,13 +95,15 @@ class Recorder(Callback):
 
 
 def slow_copies() -> None:
-    """Each piece the copier copies waits 2 ms first: copies outlast a training step of this tiny model."""
+    """Each piece above 1 KiB (the lazily copied ones) waits 20 ms first: copies outlast a training step of this tiny
+    model."""
     original = copier_module.CpuCopier.copy_pieces
 
     def slow_copy(self, block, pieces, sources, mark):  # type: ignore[no-untyped-def]
         crcs = {}
         for piece in pieces:
-            time.sleep(0.002)
+            if piece.nbytes > 1024:  # the lazy ones: the save call itself stays short
+                time.sleep(0.02)
             crcs.update(original(self, block, [piece], sources, mark))
         return crcs
 
@@ -107,29 +113,35 @@ def slow_copies() -> None:
 def faulty_shard_writes(out: str, rank: int, fail: bool) -> None:
     """From this rank's 3rd shard file on, every write fails (``fail``) or blocks forever after announcing it."""
     started = [0]
+    writer_for = plugin_module.writer_for
 
-    class _Writer(LocalWriter):
-        def begin(self, path: str, total_bytes: int) -> LocalWriteSession:
-            session = super().begin(path, total_bytes)
-            if path.endswith(".distcp"):
-                started[0] += 1
-            faulty = path.endswith(".distcp") and started[0] >= 3
+    def faulty_writer_for(path: str, storage_options: Any = None, **kwargs: Any) -> Any:
+        writer = writer_for(path, storage_options, **kwargs)
+        begin = writer.begin
 
-            class _Session(LocalWriteSession):
-                def write_range(self, offset: int, data: memoryview) -> None:
-                    if faulty and fail:
-                        raise OSError(28, "No space left on device (injected)")
-                    if faulty:
-                        with open(os.path.join(out, "held"), "w") as handle:
-                            handle.write(str(os.getpid()))
-                        threading.Event().wait()  # until the test kills this process
-                    super().write_range(offset, data)
+        def faulty_begin(target: str, total_bytes: int) -> Any:
+            session = begin(target, total_bytes)
+            if not target.endswith(".distcp"):
+                return session
+            started[0] += 1
+            if started[0] < 3:
+                return session
 
-            session.__class__ = _Session
+            def faulty_write(*args: Any) -> None:
+                if fail:
+                    raise OSError(28, "No space left on device (injected)")
+                with open(os.path.join(out, "held"), "w") as handle:
+                    handle.write(str(os.getpid()))
+                threading.Event().wait()  # until the test kills this process
+
+            session.write_range = faulty_write  # type: ignore[method-assign]
+            session.write_checksummed_range = faulty_write  # type: ignore[method-assign]
             return session
 
-    writer = _Writer()
-    plugin_module.writer_for = lambda path, storage_options=None, **_: writer  # type: ignore[assignment]
+        writer.begin = faulty_begin  # type: ignore[method-assign]
+        return writer
+
+    plugin_module.writer_for = faulty_writer_for  # type: ignore[assignment]
 
 
 def main() -> None:
@@ -141,6 +153,9 @@ def main() -> None:
     parser.add_argument("--fail-rank", type=int)
     parser.add_argument("--hold-rank", type=int)
     parser.add_argument("--ckpt-dir", help="where ModelCheckpoint saves (default: OUT/ckpt)")
+    parser.add_argument("--storage-options", help="DataStatesIO's storage_options, as JSON (for s3:// directories)")
+    parser.add_argument("--on-flush-error", default="raise", help="DataStatesIO's on_flush_error")
+    parser.add_argument("--no-last", action="store_true", help="no last.ckpt: one save per step")
     parser.add_argument("--sync", action="store_true", help="Lightning's own synchronous sharded save (no plugin)")
     args = parser.parse_args()
     rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -150,6 +165,9 @@ def main() -> None:
         SnapshotEngine.wait_copies = lambda self, attribute=True: 0.0  # type: ignore[method-assign]
     if args.fail_rank == rank or args.hold_rank == rank:
         faulty_shard_writes(args.out, rank, fail=args.fail_rank == rank)
+    options = json.loads(args.storage_options) if args.storage_options else None
+    # Weights and optimizer moments (8 KiB shards) are copied lazily; only the biases during the save call.
+    plugin = DataStatesIO(storage_options=options, eager_copy_size="1KiB", on_flush_error=args.on_flush_error)
     recorder = Recorder()
     checkpoint = ModelCheckpoint(
         dirpath=args.ckpt_dir or os.path.join(args.out, "ckpt"),
@@ -157,14 +175,14 @@ def main() -> None:
         save_top_k=2,
         monitor="step",
         mode="max",
-        save_last=True,
+        save_last=not args.no_last,
     )
     trainer = L.Trainer(
         default_root_dir=args.out,
         accelerator="cpu",
         devices=args.world,
         strategy=ModelParallelStrategy(data_parallel_size=args.world, tensor_parallel_size=1),
-        plugins=[] if args.sync else [DataStatesIO()],
+        plugins=[] if args.sync else [plugin],
         callbacks=[checkpoint, recorder],
         max_epochs=args.epochs,
         logger=False,

@@ -8,7 +8,7 @@ import fsspec
 import torch
 
 from lightning_datastates import DataStatesIO
-from lightning_datastates.plugin import checkpoint_path_str
+from lightning_datastates.compat.lightning import checkpoint_path_str
 from lightning_datastates.storage.local import TEMP_SUFFIX
 from tests.conftest import (
     BNModel,

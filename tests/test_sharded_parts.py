@@ -21,6 +21,7 @@ from lightning_datastates.sharded.commit import LIGHTNING_META_NAME
 from lightning_datastates.sharded.dcp_writer import DCP_METADATA_NAME, LazyShardWriter
 from lightning_datastates.sharded.layout import ArchivePlans, plan_shard_file
 from lightning_datastates.sharded.leftovers import PENDING_SUFFIX, clean_sharded_leftovers, mark_pending
+from lightning_datastates.storage import LocalWriter
 from lightning_datastates.storage.leftovers import host_tag
 from tests.conftest import BNModel, assert_bit_equal, make_loader, make_trainer
 from tests.s3_server import (  # noqa: F401 - the *_fixture imports register the fixtures
@@ -113,8 +114,8 @@ def test_dead_sharded_saves_are_removed_and_committed_checkpoints_kept(tmp_path)
     live = tmp_path / "live.ckpt"  # a save of this process in flight: untouched
     live.mkdir()
     (live / "__0_x.distcp").write_bytes(b"x")
-    mark_pending(str(live))
-    removed = clean_sharded_leftovers(str(tmp_path), max_age_s=3600)
+    mark_pending(LocalWriter(), str(live))
+    removed = clean_sharded_leftovers(LocalWriter(), str(tmp_path), max_age_s=3600)
     assert not uncommitted.exists()
     assert sorted(os.listdir(resaved)) == [DCP_METADATA_NAME, "__0_old.distcp", LIGHTNING_META_NAME]
     assert len(os.listdir(live)) == 2

@@ -12,6 +12,7 @@ import os
 import random
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -281,6 +282,23 @@ def test_clean_stale_on_a_clean_directory_removes_nothing(harness: Harness) -> N
     harness.put(path, b"data")
     assert harness.writer.clean_stale(os.path.dirname(path)) == []
     assert harness.read(path) == b"data"
+
+
+def test_list_directory_shows_files_and_subdirectories_with_their_times(harness: Harness) -> None:
+    """What the cleanup of dead sharded saves lists: names directly in a directory, subdirectories marked."""
+    directory = os.path.dirname(harness.path("x.ckpt"))
+    harness.put(harness.path("a.ckpt"), b"a")
+    if "://" not in directory:
+        os.makedirs(harness.path("sharded.ckpt"))  # object stores have no directories to make
+    harness.put(harness.path("sharded.ckpt/__0_t.distcp"), b"shard")
+    harness.put(harness.path("sharded.ckpt/meta.pt"), b"")
+    entries = {e.name: e for e in harness.writer.list_directory(directory)}
+    assert set(entries) == {"a.ckpt", "sharded.ckpt"}
+    assert not entries["a.ckpt"].is_directory and entries["sharded.ckpt"].is_directory
+    assert entries["a.ckpt"].modified_s is not None and abs(entries["a.ckpt"].modified_s - time.time()) < 600
+    inside = sorted(e.name for e in harness.writer.list_directory(harness.path("sharded.ckpt")))
+    assert inside == ["__0_t.distcp", "meta.pt"]
+    assert harness.writer.list_directory(harness.path("missing")) == []
 
 
 # ---------------------------------------------------------------------------------------------------- the read side

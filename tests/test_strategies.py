@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 
 from lightning_datastates import DataStatesIO
-from lightning_datastates.plugin import checkpoint_path_str
+from lightning_datastates.compat.lightning import checkpoint_path_str
 from lightning_datastates.strategies import PluginBypassedWarning, bypass_reason
 from tests.conftest import (
     BNModel,

@@ -6,6 +6,8 @@ the package calls these functions. Why the plugin needs each one: ``docs/design.
 
 from __future__ import annotations
 
+import os
+import re
 import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -82,3 +84,13 @@ def saves_distributed_checkpoint(strategy: Any) -> bool:
     default) where it is missing.
     """
     return bool(getattr(strategy, "_save_distributed_checkpoint", True))
+
+
+def checkpoint_path_str(path: CheckpointPath) -> str:
+    """``path`` as a string; a URL that ``pathlib`` collapsed (``s3:/b/k``) is restored."""
+    text = os.fspath(path)
+    # pathlib collapses "s3://bucket/key" into "s3:/bucket/key" (FSDP and ModelParallel pass Paths): restore it.
+    return _COLLAPSED_URL.sub(r"\1://", text) if not isinstance(path, str) else text
+
+
+_COLLAPSED_URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]+):/(?!/)")

@@ -64,7 +64,7 @@ class ShardedSave:
     metadata_bytes: bytes | None = None
     meta_bytes: bytes | None = None
     file_names: tuple[str, ...] = ()
-    marker: str | None = None  # rank 0, local: the in-flight marker (sharded/leftovers.py), removed once settled
+    marker: str | None = None  # rank 0: the in-flight marker (sharded/leftovers.py), removed once settled
 
 
 @dataclass
@@ -190,7 +190,7 @@ class ShardedCommitter:
         if self._rank == 0:
             verdict[0] = self._publish(save) if not failed else self._discard(save, failed)
         if save.marker is not None:
-            _remove_local(save.marker)  # settled: committed, or this save's files are gone
+            self._remove_files(self._writer_for(save.path), save.path, [_name(save.marker)])  # settled
         dist.broadcast_object_list(verdict, src=0, group=self._group)
         if verdict[0] is not None:
             # This rank's own failure reaches its training thread through the engine; the others learn it here. A
@@ -225,7 +225,7 @@ class ShardedCommitter:
         writer = self._writer_for(save.path)
         self._remove_files(writer, save.path, save.file_names)
         if save.marker is not None:
-            _remove_local(save.marker)
+            self._remove_files(writer, save.path, [_name(save.marker)])
         if not writer.exists(join_path(save.path, LIGHTNING_META_NAME)):
             _remove_empty_local_directory(save.path)  # an empty directory named like a checkpoint would trip a resume
         return "; ".join(f"rank {rank} failed: {error}" for rank, error in failed)
@@ -272,11 +272,8 @@ def _files_of(writer: StorageWriter, metadata_path: str) -> list[str]:
     return sorted({info.relative_path for info in metadata.storage_data.values()})
 
 
-def _remove_local(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+def _name(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
 
 
 def _remove_empty_local_directory(path: str) -> None:

@@ -1,25 +1,24 @@
-"""What a sharded save that never committed leaves on local storage, and how the next run removes it.
+"""What a sharded save that never committed leaves on storage, and how the next run removes it.
 
 While a sharded save is in flight, rank 0 keeps a marker in its directory, named like every leftover of this package
 (``.commit.<host>.<pid>.<token>.datastates-pending``, :mod:`~lightning_datastates.storage.leftovers`), and removes it
 once the checkpoint is committed or discarded. A directory with a marker whose writer is gone (by the same rule as
-temporary files) holds a save that died in flight: without ``meta.pt`` it is no checkpoint at all and is removed
-whole; with one, it still holds the checkpoint committed there before, and only the files that checkpoint's
-``.metadata`` does not name are removed.
-
-Local paths only (on S3 an uncommitted directory is a set of objects without ``meta.pt``; see docs/design.md).
+temporary files: a dead process of this host at once, another host's once ``stale_after_s`` old) holds a save that
+died in flight: without ``meta.pt`` it is no checkpoint at all and is removed whole; with one, it still holds the
+checkpoint committed there before, and only the files that checkpoint's ``.metadata`` does not name are removed. The
+open uploads the dead ranks left in it go first (S3). Every backend that lists directories is cleaned this way
+(local, S3, other fsspec: :meth:`~lightning_datastates.storage.base.StorageWriter.list_directory`).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import pickle
-import shutil
 import time
 
-from lightning_datastates.sharded.commit import LIGHTNING_META_NAME
-from lightning_datastates.sharded.dcp_writer import DCP_METADATA_NAME
+from lightning_datastates.sharded.commit import LIGHTNING_META_NAME, write_file
+from lightning_datastates.sharded.dcp_writer import DCP_METADATA_NAME, join_path
+from lightning_datastates.storage.base import DirectoryEntry, StorageWriter
 from lightning_datastates.storage.leftovers import leftover_name, parse_leftover_name, writer_gone
 
 log = logging.getLogger("lightning_datastates")
@@ -28,50 +27,41 @@ log = logging.getLogger("lightning_datastates")
 PENDING_SUFFIX = ".datastates-pending"
 
 
-def mark_pending(directory: str) -> str:
-    """Create this process's marker in ``directory`` (local) and return its path."""
-    marker = os.path.join(directory, leftover_name("commit", PENDING_SUFFIX))
-    with open(marker, "wb"):
-        pass
+def mark_pending(writer: StorageWriter, directory: str) -> str:
+    """Create this process's marker in ``directory`` and return its path."""
+    marker = join_path(directory, leftover_name("commit", PENDING_SUFFIX))
+    write_file(writer, marker, b"")
     return marker
 
 
-def clean_sharded_leftovers(parent: str, max_age_s: float) -> list[str]:
-    """Remove what dead sharded saves left in the subdirectories of local ``parent``; the paths removed."""
-    try:
-        entries = [entry for entry in os.scandir(parent) if entry.is_dir(follow_symlinks=False)]
-    except (FileNotFoundError, NotADirectoryError, PermissionError):
-        return []
+def clean_sharded_leftovers(writer: StorageWriter, parent: str, max_age_s: float) -> list[str]:
+    """Remove what dead sharded saves left in the subdirectories of ``parent``; the paths removed."""
     removed: list[str] = []
     now = time.time()
-    for entry in entries:
-        try:
-            names = os.listdir(entry.path)
-        except OSError:
+    for entry in writer.list_directory(parent):
+        if not entry.is_directory:
             continue
-        markers = {name: parsed for name in names if (parsed := parse_leftover_name(name, PENDING_SUFFIX)) is not None}
+        directory = join_path(parent, entry.name)
+        names = {e.name: e for e in writer.list_directory(directory)}
+        markers = {n: m for n, e in names.items() if (m := parse_leftover_name(n, PENDING_SUFFIX)) is not None}
         if not markers:
             continue
-        gone = [
-            name
-            for name, parsed in markers.items()
-            if writer_gone(parsed.owner, _age_s(entry.path, name, now), max_age_s, tracks_own_writes=False)
-        ]
-        if len(gone) != len(markers):
+        ages = {n: _age_s(names[n], now) for n in markers}
+        if not all(writer_gone(m.owner, ages[n], max_age_s, tracks_own_writes=False) for n, m in markers.items()):
             continue  # a live process still saves here
-        removed += _remove_uncommitted(entry.path, names)
+        writer.clean_stale(directory, max_age_s)  # the dead ranks' open uploads (S3), temporary files
+        removed += _remove_uncommitted(writer, directory, sorted(names))
     if removed:
         log.info("lightning_datastates: removed %d leftover(s) of sharded saves that died in %s", len(removed), parent)
     return removed
 
 
-def _remove_uncommitted(directory: str, names: list[str]) -> list[str]:
+def _remove_uncommitted(writer: StorageWriter, directory: str, names: list[str]) -> list[str]:
     if LIGHTNING_META_NAME not in names:
-        shutil.rmtree(directory, ignore_errors=True)
+        writer.remove(directory)
         return [directory]
     try:
-        with open(os.path.join(directory, DCP_METADATA_NAME), "rb") as handle:
-            metadata = pickle.load(handle)
+        metadata = pickle.loads(bytes(writer.read_bytes(join_path(directory, DCP_METADATA_NAME))))
         keep = {info.relative_path for info in metadata.storage_data.values()}
     except Exception as exc:  # noqa: BLE001 - keep everything rather than guess
         log.warning("lightning_datastates: cannot read %s (%r); leftovers there kept", directory, exc)
@@ -80,17 +70,10 @@ def _remove_uncommitted(directory: str, names: list[str]) -> list[str]:
     removed = []
     for name in names:
         if name not in keep:
-            path = os.path.join(directory, name)
-            try:
-                os.unlink(path)
-                removed.append(path)
-            except (FileNotFoundError, IsADirectoryError, PermissionError):
-                pass
+            writer.remove(join_path(directory, name))
+            removed.append(join_path(directory, name))
     return removed
 
 
-def _age_s(directory: str, name: str, now: float) -> float | None:
-    try:
-        return now - os.stat(os.path.join(directory, name)).st_mtime
-    except FileNotFoundError:
-        return None
+def _age_s(entry: DirectoryEntry, now: float) -> float | None:
+    return None if entry.modified_s is None else now - entry.modified_s

@@ -20,7 +20,11 @@ from typing import Any
 
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
-from lightning_datastates.compat.lightning import fsdp_state_dict_type, saves_distributed_checkpoint
+from lightning_datastates.compat.lightning import (
+    checkpoint_path_str,
+    fsdp_state_dict_type,
+    saves_distributed_checkpoint,
+)
 from lightning_datastates.sharded.saver import ShardedSaver
 
 _PATCHED = ("save_checkpoint", "load_checkpoint", "lightning_module_state_dict", "optimizer_state")
@@ -45,8 +49,6 @@ def install(strategy: Any, saver: ShardedSaver, drain: Any) -> None:
                 f"`{type(strategy).__name__}.save_checkpoint(..., storage_options=...)` is not supported with "
                 "DataStatesIO: pass storage options once as `DataStatesIO(storage_options=...)`"
             )
-        from lightning_datastates.plugin import checkpoint_path_str
-
         path = checkpoint_path_str(strategy.broadcast(filepath))  # every rank saves into rank 0's directory
         state = {"state_dict": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})

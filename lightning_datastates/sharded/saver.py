@@ -74,13 +74,13 @@ class ShardedSaver:
         started = time.perf_counter()
         host = self._host
         host.raise_pending_failure()
-        self.committer.wait_path(path)  # an earlier save of this directory commits (or fails) first
+        # No wait for an earlier save of this directory (last.ckpt at every step): each save writes files of its own,
+        # and the committer publishes the saves in order, each removing the files of the one it replaces.
         writer = host.writer_for(path)
-        marker = None
         if is_local_path(path):
             _prepare_local_directory(local_path(path))
-            if self.rank == 0:
-                marker = mark_pending(local_path(path))  # removed at commit; a dead run's is found by the next
+        # Removed once the save is settled; a dead run's marker is found by the next run (sharded/leftovers.py).
+        marker = mark_pending(writer, path) if self.rank == 0 else None
         directory = os.path.dirname(path.rstrip("/")) or "."
         if self.rank == 0 and directory not in self._cleaned:
             self._cleaned.add(directory)

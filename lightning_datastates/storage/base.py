@@ -30,11 +30,22 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Hashable
+from dataclasses import dataclass
 from typing import BinaryIO
 
 from lightning_datastates.storage.leftovers import DEFAULT_STALE_AGE_S
 
-__all__ = ["DEFAULT_STALE_AGE_S", "StorageWriter", "WriteSession"]
+__all__ = ["DEFAULT_STALE_AGE_S", "DirectoryEntry", "StorageWriter", "WriteSession"]
+
+
+@dataclass(frozen=True)
+class DirectoryEntry:
+    """One entry of a listed directory: its ``name`` (no path), whether it is a directory (a common prefix on object
+    stores), and when it was last modified (seconds since the epoch; None where the backend does not say)."""
+
+    name: str
+    is_directory: bool
+    modified_s: float | None
 
 
 class WriteSession(ABC):
@@ -116,6 +127,14 @@ class StorageWriter(ABC):
         place of the file), or when nothing is at ``path``.
         """
         return None
+
+    def list_directory(self, path: str) -> list[DirectoryEntry]:
+        """The entries directly in ``path`` (hidden ones included); empty if there is no such directory.
+
+        Used to find what dead sharded saves left in checkpoint directories. The default lists nothing: a backend
+        that cannot list is never cleaned that way.
+        """
+        return []
 
     @abstractmethod
     def clean_stale(self, directory: str, max_age_s: float = DEFAULT_STALE_AGE_S) -> list[str]:

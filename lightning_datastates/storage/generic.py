@@ -25,7 +25,7 @@ import fsspec
 from fsspec.core import split_protocol
 
 from lightning_datastates.errors import ConfigError
-from lightning_datastates.storage.base import StorageWriter
+from lightning_datastates.storage.base import DirectoryEntry, StorageWriter
 from lightning_datastates.storage.leftovers import (
     DEFAULT_STALE_AGE_S,
     TEMP_SUFFIX,
@@ -129,6 +129,20 @@ class GenericWriter(StorageWriter):
         remote = self._strip(path)
         if self.fs.exists(remote):
             self.fs.rm(remote, recursive=True)
+
+    def list_directory(self, path: str) -> list[DirectoryEntry]:
+        """The entries of ``path`` as fsspec lists them (the listing cache dropped first)."""
+        remote = self._strip(path)
+        self.fs.invalidate_cache(remote)
+        try:
+            entries = self.fs.ls(remote, detail=True)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return [
+            DirectoryEntry(posixpath.basename(e["name"].rstrip("/")), e.get("type") == "directory", _modified_time(e))
+            for e in entries
+            if e["name"].rstrip("/") != remote.rstrip("/")
+        ]
 
     def clean_stale(self, directory: str, max_age_s: float = DEFAULT_STALE_AGE_S) -> list[str]:
         """Remove temporary objects of dead processes on this host, and others (another host's; one named without

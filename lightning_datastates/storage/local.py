@@ -28,7 +28,7 @@ from collections.abc import Hashable, Iterator
 from typing import TYPE_CHECKING, BinaryIO
 
 from lightning_datastates.alignment import PAGE_ALIGNMENT_BYTES, align_up
-from lightning_datastates.storage.base import StorageWriter, WriteSession
+from lightning_datastates.storage.base import DirectoryEntry, StorageWriter, WriteSession
 from lightning_datastates.storage.direct_io import direct_io_suits, no_direct_io, open_direct, write_all, write_direct
 from lightning_datastates.storage.leftovers import (
     DEFAULT_STALE_AGE_S,
@@ -260,6 +260,17 @@ class LocalWriter(StorageWriter):
             os.unlink(path)
         except FileNotFoundError:
             pass
+
+    def list_directory(self, path: str) -> list[DirectoryEntry]:
+        """The entries of the local directory ``path`` (symbolic links are not followed)."""
+        try:
+            with os.scandir(local_path(path)) as entries:
+                return [
+                    DirectoryEntry(e.name, e.is_dir(follow_symlinks=False), e.stat(follow_symlinks=False).st_mtime)
+                    for e in entries
+                ]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
 
     def clean_stale(self, directory: str, max_age_s: float = DEFAULT_STALE_AGE_S) -> list[str]:
         """Remove temporary files of dead processes on this host, and of other hosts once ``max_age_s`` old."""

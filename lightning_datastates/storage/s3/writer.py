@@ -19,7 +19,7 @@ from typing import Any, BinaryIO
 
 from lightning_datastates.config import Size, parse_size
 from lightning_datastates.errors import ConfigError
-from lightning_datastates.storage.base import StorageWriter
+from lightning_datastates.storage.base import DirectoryEntry, StorageWriter
 from lightning_datastates.storage.leftovers import DEFAULT_STALE_AGE_S
 from lightning_datastates.storage.s3 import reads
 from lightning_datastates.storage.s3.client import (
@@ -186,6 +186,33 @@ class S3Writer(StorageWriter):
             client.run(f"removing {path}/", lambda: _delete_prefix(client, bucket, key + "/"), missing_ok=True)
         finally:
             client.invalidate(path)
+
+    def list_directory(self, path: str) -> list[DirectoryEntry]:
+        """The objects and common prefixes directly under ``path/`` (one ``ListObjectsV2`` per 1000 entries).
+
+        Raises:
+            S3WriteError: a listing request failed (after retries).
+        """
+        client = self.client
+        bucket, key = client.split(path)
+        prefix = key.rstrip("/") + "/" if key else ""
+
+        async def listing() -> list[DirectoryEntry]:
+            entries: list[DirectoryEntry] = []
+            token: dict[str, str] = {}
+            while True:
+                page = await client.call("list_objects_v2", Bucket=bucket, Prefix=prefix, Delimiter="/", **token)
+                for common in page.get("CommonPrefixes", []):
+                    entries.append(DirectoryEntry(common["Prefix"][len(prefix) :].rstrip("/"), True, None))
+                for item in page.get("Contents", []):
+                    modified = item.get("LastModified")
+                    stamp = None if modified is None else float(modified.timestamp())
+                    entries.append(DirectoryEntry(item["Key"][len(prefix) :], False, stamp))
+                if not page.get("IsTruncated"):
+                    return [e for e in entries if e.name]
+                token = {"ContinuationToken": page["NextContinuationToken"]}
+
+        return client.run(f"listing {path}", listing, missing_ok=True) or []
 
     def clean_stale(self, directory: str, max_age_s: float = DEFAULT_STALE_AGE_S) -> list[str]:
         """Abort the open multipart uploads that crashed runs left for keys directly in ``directory``; return their
