@@ -97,20 +97,37 @@ def _mismatches(out: pathlib.Path, world: int, scratch: pathlib.Path) -> list[st
     return wrong
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
-def test_each_rank_saves_its_shards_as_at_the_save_call_and_dcp_reads_them(tmp_path, world):
-    _run(tmp_path, "--world", str(world))
-    assert _results(tmp_path, world) == ["ok"] * world
-    checkpoint_dir = tmp_path / "ckpt"
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """One run of 2 ranks with the plugin (2 epochs, a save every step, top-2 and last.ckpt), shared by the tests that
+    only read what it left: each run costs a few dozen seconds of CI."""
+    out = tmp_path_factory.mktemp("two-rank-run")
+    _run(out, "--world", "2")
+    return out
+
+
+def _assert_saved_as_at_the_save_call(out: pathlib.Path, world: int) -> None:
+    assert _results(out, world) == ["ok"] * world
+    checkpoint_dir = out / "ckpt"
     assert sorted(os.listdir(checkpoint_dir)) == _names(world)  # top-2 by step and last.ckpt, as a synchronous run
     for name in _names(world):
         files = sorted(os.listdir(checkpoint_dir / name))
-        assert files[:2] == [".metadata", "meta.pt"] or files[-1] == "meta.pt", files
-        assert sorted(f for f in files if f.endswith(".distcp")) == sorted(f for f in files if f.startswith("__"))
-        assert len(files) == 2 + world, files  # one file per rank; the earlier saves of last.ckpt were removed
-    assert _mismatches(tmp_path, world, tmp_path) == []
-    assert temp_files(str(tmp_path)) == []
+        shards = [f for f in files if f.startswith("__") and f.endswith(".distcp")]
+        # One file per rank; the earlier saves of last.ckpt were removed, and so was every in-flight marker.
+        assert sorted(files) == sorted([".metadata", "meta.pt", *shards]) and len(shards) == world, files
+    assert _mismatches(out, world, out) == []
+    assert temp_files(str(out)) == []
+
+
+@pytest.mark.slow
+def test_two_ranks_save_their_shards_as_at_the_save_call_and_dcp_reads_them(two_rank_run):
+    _assert_saved_as_at_the_save_call(two_rank_run, 2)
+
+
+@pytest.mark.slow
+def test_four_ranks_save_their_shards_as_at_the_save_call_and_dcp_reads_them(tmp_path):
+    _run(tmp_path, "--world", "4")
+    _assert_saved_as_at_the_save_call(tmp_path, 4)
 
 
 @pytest.mark.slow
@@ -123,21 +140,19 @@ def test_one_save_per_step_equals_the_state_at_the_save_call_and_fails_without_t
 
 
 @pytest.mark.slow
-def test_names_and_content_match_lightning_synchronous_sharded_save(tmp_path):
-    ours, theirs = tmp_path / "ours", tmp_path / "sync"
-    _run(ours, "--world", "2")
+def test_names_and_content_match_lightning_synchronous_sharded_save(tmp_path, two_rank_run):
+    ours, theirs = two_rank_run, tmp_path / "sync"
     _run(theirs, "--world", "2", "--sync")
     assert sorted(os.listdir(ours / "ckpt")) == sorted(os.listdir(theirs / "ckpt")) == _NAMES
     for name in _NAMES:
         theirs_read = _read_with_dcp(theirs / "ckpt" / name, theirs)
-        assert_bit_equal(_read_with_dcp(ours / "ckpt" / name, ours), theirs_read, name)
+        assert_bit_equal(_read_with_dcp(ours / "ckpt" / name, tmp_path), theirs_read, name)
         assert _step_of(ours / "ckpt" / name) == _step_of(theirs / "ckpt" / name)
 
 
 @pytest.mark.slow
-def test_resume_from_a_sharded_checkpoint_reproduces_the_uninterrupted_run(tmp_path):
-    uninterrupted, resumed = tmp_path / "whole", tmp_path / "resumed"
-    _run(uninterrupted, "--world", "2", "--epochs", "2")
+def test_resume_from_a_sharded_checkpoint_reproduces_the_uninterrupted_run(tmp_path, two_rank_run):
+    uninterrupted, resumed = two_rank_run, tmp_path / "resumed"  # the shared run trains 2 epochs
     _run(resumed, "--world", "2", "--epochs", "1")
     _run(resumed, "--world", "2", "--epochs", "2", "--resume", "last.ckpt")  # Lightning's own sharded load
     for rank in (0, 1):
