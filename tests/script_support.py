@@ -74,9 +74,15 @@ def write_json(path: str, data: Any) -> None:
     os.replace(path + ".tmp", path)
 
 
+#: Set by Lightning in the process of an in-process distributed fit (``LOCAL_RANK`` among them): a launched script
+#: that inherited them would take itself for an already launched rank and never start the others.
+_RANK_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+
+
 def script_env(**extra: str) -> dict[str, str]:
-    """The environment for a launched script: this checkout first on the path, quiet, single-threaded torch."""
-    env = dict(os.environ)
+    """The environment for a launched script: this checkout first on the path, quiet, single-threaded torch, and no
+    rank variables left by an earlier in-process distributed fit."""
+    env = {k: v for k, v in os.environ.items() if k not in _RANK_VARIABLES}
     env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
     env.update(extra)

@@ -145,6 +145,9 @@ def test_sharded_fit_on_s3_commits_each_checkpoint_after_its_files(tmp_path, s3,
     """One process (ModelParallel on CPU), checkpoints in a moto bucket, read back with DCP's fsspec reader."""
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
+    for name in ("LOCAL_RANK", "NODE_RANK"):  # Lightning sets them in this process: restored after the test
+        monkeypatch.setenv(name, "0")  # records the value before (or its absence) for the undo
+        monkeypatch.delenv(name)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     torch.manual_seed(0)
