@@ -113,6 +113,7 @@ def slow_copies() -> None:
 def faulty_shard_writes(out: str, rank: int, fail: bool) -> None:
     """From this rank's 3rd shard file on, every write fails (``fail``) or blocks forever after announcing it."""
     started = [0]
+    announce_lock = threading.Lock()
     writer_for = plugin_module.writer_for
 
     def faulty_writer_for(path: str, storage_options: Any = None, **kwargs: Any) -> Any:
@@ -130,8 +131,12 @@ def faulty_shard_writes(out: str, rank: int, fail: bool) -> None:
             def faulty_write(*args: Any) -> None:
                 if fail:
                     raise OSError(28, "No space left on device (injected)")
-                with open(os.path.join(out, "held"), "w") as handle:
-                    handle.write(str(os.getpid()))
+                # Announce once, atomically (several writer threads get here): the test reads the pid at once.
+                with announce_lock:
+                    if not os.path.exists(os.path.join(out, "held")):
+                        with open(os.path.join(out, "held.tmp"), "w") as handle:
+                            handle.write(str(os.getpid()))
+                        os.replace(os.path.join(out, "held.tmp"), os.path.join(out, "held"))
                 threading.Event().wait()  # until the test kills this process
 
             session.write_range = faulty_write  # type: ignore[method-assign]

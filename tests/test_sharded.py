@@ -194,8 +194,8 @@ def _kill_mid_flush(out: pathlib.Path, *args: str) -> None:
     finally:
         time.sleep(1.0)
         process.kill()
-        process.communicate()
-        _kill_leftover_ranks(out)
+        _kill_leftover_ranks(out)  # first: a live rank keeps the output pipe open, and communicate() would wait
+        process.communicate(timeout=60)
 
 
 @pytest.mark.slow
