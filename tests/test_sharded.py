@@ -13,7 +13,6 @@ import os
 import pathlib
 import pickle
 import signal
-import subprocess
 import time
 
 import pytest
@@ -26,7 +25,7 @@ from tests.s3_server import (  # noqa: F401 - the *_fixture imports register the
     s3_endpoint_fixture,
     s3_fixture,
 )
-from tests.script_support import launch
+from tests.script_support import launch, run_to_completion
 
 #: A sharded run starts slowly on a loaded 2-core machine; this only bounds a hang.
 _RUN_TIMEOUT_S = 600
@@ -40,15 +39,7 @@ def _names(world: int) -> list[str]:
 
 
 def _run(out: pathlib.Path, *args: str, **env: str) -> str:
-    process = launch("sharded_script.py", str(out), *args, MASTER_PORT=str(free_port()), **env)
-    try:
-        output, _ = process.communicate(timeout=_RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        output, _ = process.communicate()
-        pytest.fail(f"sharded run hung:\n{output[-4000:]}")
-    assert process.returncode == 0, f"sharded run failed:\n{output[-4000:]}"
-    return output
+    return run_to_completion("sharded_script.py", str(out), *args, timeout_s=_RUN_TIMEOUT_S, what="sharded", **env)
 
 
 def _results(out: pathlib.Path, world: int) -> list[str]:

@@ -7,7 +7,6 @@ import io
 import json
 import os
 import pathlib
-import subprocess
 
 import pytest
 import torch
@@ -32,21 +31,14 @@ from tests.s3_server import (  # noqa: F401 - the *_fixture imports register the
     s3_endpoint_fixture,
     s3_fixture,
 )
-from tests.script_support import launch
+from tests.script_support import run_to_completion
 
 #: Two DDP processes start slowly on a loaded 2-core machine; this only bounds a hang.
 _RUN_TIMEOUT_S = 600
 
 
 def _run_script(out: pathlib.Path, strategy: str) -> None:
-    process = launch("ddp_script.py", str(out), strategy, MASTER_PORT=str(free_port()))
-    try:
-        output, _ = process.communicate(timeout=_RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        output, _ = process.communicate()
-        pytest.fail(f"{strategy} run hung:\n{output[-4000:]}")
-    assert process.returncode == 0, f"{strategy} run failed:\n{output[-4000:]}"
+    run_to_completion("ddp_script.py", str(out), strategy, timeout_s=_RUN_TIMEOUT_S, what=strategy)
 
 
 def _load(path: pathlib.Path | str) -> dict:
