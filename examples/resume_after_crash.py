@@ -15,10 +15,18 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 import torch
 
 MAX_STEPS = 12
+
+
+def _step_of(path: str) -> int:
+    """The global step of the checkpoint at ``path``; -1 while there is none (it appears only once complete)."""
+    if not os.path.exists(path):
+        return -1
+    return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["global_step"])
 
 
 def train(directory: str, fast: bool, kill_at: int | None) -> None:
@@ -31,13 +39,20 @@ def train(directory: str, fast: bool, kill_at: int | None) -> None:
     from lightning_datastates import DataStatesIO
 
     class KillAt(Callback):
-        """SIGKILL this process (no cleanup of any kind) at the end of step ``step``, a checkpoint in flight."""
+        """SIGKILL this process (no cleanup of any kind) at the end of step ``step``, a checkpoint in flight, once
+        ``last.ckpt`` of step ``step - 3`` or later is durable (so that there is one to resume from)."""
 
         def __init__(self, step: int) -> None:
             self.step = step
 
         def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
             if trainer.global_step == self.step:
+                # On a loaded machine the flush of an earlier checkpoint may still run here: wait for it (a hang
+                # guard of 5 minutes), the newest checkpoint stays in flight.
+                last = os.path.join(directory, "last.ckpt")
+                deadline = time.monotonic() + 300
+                while _step_of(last) < self.step - 3 and time.monotonic() < deadline:
+                    time.sleep(0.05)
                 os.kill(os.getpid(), signal.SIGKILL)
 
     L.seed_everything(0, verbose=False)
