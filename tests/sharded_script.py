@@ -12,10 +12,12 @@ Options: ``--resume NAME`` fits from ``OUT/ckpt/NAME`` (Lightning's sharded load
 writes fail from its 3rd checkpoint on; ``--hold-rank R``: rank R's writes of its 3rd checkpoint block forever after
 announcing ``OUT/held`` (a test then SIGKILLs the run); ``--sync``: Lightning's own synchronous save instead of the
 plugin; ``--ckpt-dir D``: save into D (``s3://...`` with ``--storage-options JSON``); ``--on-flush-error warn``;
-``--no-last``: no ``last.ckpt``, so one save per step (a second save of a step would wait for the first's copies,
+``--fail-staging-rank R``: rank R's 3rd sharded save fails while staging, on its training thread; ``--no-last``: no
+``last.ckpt``, so one save per step (a second save of a step would wait for the first's copies,
 which these slowed copies make long, and hide a missing barrier). ``LDS_BROKEN=barrier``: the plugin's barrier
 returns at once (the contract test must then fail). Copies are slowed (20 ms per lazily copied piece) so that they
-outlast a step, as on a real model.
+outlast a step, as on a real model. Each rank writes the names of the threads DCP's planning collectives ran on to
+``OUT/planning<r>.json``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_datastates.plugin as plugin_module
+import lightning_datastates.sharded.saver as saver_module
 from lightning_datastates import DataStatesIO
 from lightning_datastates.compat.torch import local_shard
 from lightning_datastates.copy import copier as copier_module
@@ -149,6 +152,35 @@ def faulty_shard_writes(out: str, rank: int, fail: bool) -> None:
     plugin_module.writer_for = faulty_writer_for  # type: ignore[assignment]
 
 
+def record_planning_threads() -> list[str]:
+    """The names of the threads on which DCP plans a save (its gather and scatter of plans), in order."""
+    from torch.distributed.checkpoint.utils import _DistWrapper
+
+    threads: list[str] = []
+    reduce_scatter = _DistWrapper.reduce_scatter
+
+    def recorded(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[no-untyped-def]
+        threads.append(threading.current_thread().name)
+        return reduce_scatter(self, *args, **kwargs)
+
+    _DistWrapper.reduce_scatter = recorded  # type: ignore[method-assign]
+    return threads
+
+
+def failing_staging() -> None:
+    """This rank's 3rd sharded save fails while staging (on its training thread)."""
+    stage_shard = saver_module.stage_shard
+    calls = [0]
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("staging failed (injected)")
+        return stage_shard(*args, **kwargs)
+
+    saver_module.stage_shard = failing  # type: ignore[assignment]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -160,6 +192,7 @@ def main() -> None:
     parser.add_argument("--ckpt-dir", help="where ModelCheckpoint saves (default: OUT/ckpt)")
     parser.add_argument("--storage-options", help="DataStatesIO's storage_options, as JSON (for s3:// directories)")
     parser.add_argument("--on-flush-error", default="raise", help="DataStatesIO's on_flush_error")
+    parser.add_argument("--fail-staging-rank", type=int)
     parser.add_argument("--no-last", action="store_true", help="no last.ckpt: one save per step")
     parser.add_argument("--sync", action="store_true", help="Lightning's own synchronous sharded save (no plugin)")
     args = parser.parse_args()
@@ -168,6 +201,9 @@ def main() -> None:
     slow_copies()
     if os.environ.get("LDS_BROKEN") == "barrier":
         SnapshotEngine.wait_copies = lambda self, attribute=True: 0.0  # type: ignore[method-assign]
+    planning_threads = record_planning_threads()
+    if args.fail_staging_rank == rank:
+        failing_staging()
     if args.fail_rank == rank or args.hold_rank == rank:
         faulty_shard_writes(args.out, rank, fail=args.fail_rank == rank)
     options = json.loads(args.storage_options) if args.storage_options else None
@@ -207,6 +243,8 @@ def main() -> None:
     final = {f"state_dict.{k}": local_shard(v).detach().clone() for k, v in model.state_dict().items()}
     os.makedirs(os.path.join(args.out, "final"), exist_ok=True)
     torch.save(final, os.path.join(args.out, "final", f"rank{rank}.pt"))
+    with open(os.path.join(args.out, f"planning{rank}.json"), "w") as handle:
+        json.dump(planning_threads, handle)
     with open(os.path.join(args.out, f"rank{rank}.result"), "w") as handle:
         handle.write("ok" if failure is None else f"{type(failure).__name__}: {failure}")
 

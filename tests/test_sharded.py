@@ -130,15 +130,47 @@ def test_one_save_per_step_equals_the_state_at_the_save_call_and_fails_without_t
     assert (_mismatches(tmp_path, 2, tmp_path) != []) == broken
 
 
+@pytest.fixture(scope="module")
+def synchronous_run(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """The same run with Lightning's own synchronous sharded save (no plugin)."""
+    out = tmp_path_factory.mktemp("synchronous-run")
+    _run(out, "--world", "2", "--sync")
+    return out
+
+
 @pytest.mark.slow
-def test_names_and_content_match_lightning_synchronous_sharded_save(tmp_path, two_rank_run):
-    ours, theirs = two_rank_run, tmp_path / "sync"
-    _run(theirs, "--world", "2", "--sync")
+def test_names_and_content_match_lightning_synchronous_sharded_save(tmp_path, two_rank_run, synchronous_run):
+    ours, theirs = two_rank_run, synchronous_run
     assert sorted(os.listdir(ours / "ckpt")) == sorted(os.listdir(theirs / "ckpt")) == _NAMES
     for name in _NAMES:
         theirs_read = _read_with_dcp(theirs / "ckpt" / name, theirs)
         assert_bit_equal(_read_with_dcp(ours / "ckpt" / name, tmp_path), theirs_read, name)
         assert _step_of(ours / "ckpt" / name) == _step_of(theirs / "ckpt" / name)
+
+
+@pytest.mark.slow
+def test_dcp_plans_each_save_on_the_committer_thread_not_the_training_thread(two_rank_run, synchronous_run):
+    """DCP's planning collectives (gather and scatter of every rank's plan) cost the training thread nothing: they
+    run on the committer thread. Lightning's own save, the reference, plans on the training thread."""
+    for rank in (0, 1):
+        ours = json.loads((two_rank_run / f"planning{rank}.json").read_text())
+        theirs = json.loads((synchronous_run / f"planning{rank}.json").read_text())
+        assert len(ours) == len(theirs) > 0, (ours, theirs)  # one planning per save
+        assert set(ours) == {"datastates-sharded-commit"} and set(theirs) == {"MainThread"}, (ours, theirs)
+
+
+@pytest.mark.slow
+def test_a_rank_whose_staging_fails_fails_that_save_on_every_rank(tmp_path):
+    """Rank 1's 3rd save raises on its training thread before anything is copied; its committer still joins that
+    save's planning with the failure, so rank 0 learns it there: no rank commits the save, none waits for it."""
+    _run(tmp_path, "--world", "2", "--fail-staging-rank", "1", "--on-flush-error", "warn")
+    results = _results(tmp_path, 2)
+    assert results[1] == "RuntimeError: staging failed (injected)", results
+    assert results[0] != "ok", results  # rank 1 left fit: rank 0's next collective with it fails
+    for directory in (tmp_path / "ckpt").iterdir():  # the two saves before are whole; nothing of the third
+        assert (directory / "meta.pt").is_file() and (directory / ".metadata").is_file(), directory
+    assert _mismatches(tmp_path, 2, tmp_path) == []
+    assert not any(name.endswith(".datastates-pending") for _, _, n in os.walk(tmp_path / "ckpt") for name in n)
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_datastates import DataStatesIO
 from lightning_datastates.sharded.commit import LIGHTNING_META_NAME
-from lightning_datastates.sharded.dcp_writer import DCP_METADATA_NAME, LazyShardWriter
+from lightning_datastates.sharded.dcp_writer import DCP_METADATA_NAME, plan_checkpoint, stage_shard
 from lightning_datastates.sharded.layout import ArchivePlans, plan_shard_file
 from lightning_datastates.sharded.leftovers import PENDING_SUFFIX, clean_sharded_leftovers, mark_pending
 from lightning_datastates.storage import LocalWriter
@@ -65,27 +65,26 @@ def test_each_item_of_a_shard_file_loads_with_torch_load_of_its_extent(tmp_path,
         assert all(r.offset % alignment == 0 for r in plan.layout.records if r.nbytes)
 
 
-def _capture_to_disk(shard, file_path: str) -> None:
-    _write(shard, file_path)
-
-
-def test_dcp_save_through_the_writer_seam_is_read_by_dcp_once_the_metadata_is_written(tmp_path):
-    """One process, no process group: DCP drives the writer as on every rank; ``.metadata`` is not written by it."""
+def test_a_staged_shard_planned_by_dcp_is_read_by_dcp_once_the_metadata_is_written(tmp_path):
+    """One process, no process group: the training thread's half (staging, no collective) and the committer's (DCP's
+    planning, driving the writer as on every rank); ``.metadata`` is not written by either."""
     state = {"model": {"w": torch.randn(16, 8), "b": torch.zeros(8)}, "extra": {"lr": 0.1, "names": ["a"]}}
     directory = tmp_path / "ckpt"
     directory.mkdir()
-    writer = LazyShardWriter(str(directory), _capture_to_disk, ArchivePlans(None))
-    dcp.save(state, storage_writer=writer, no_dist=True)
+    plans = ArchivePlans(None)
+    staged, shard = stage_shard(state, 0, plans)
+    assert shard is not None
+    _write(shard, str(directory / staged.file_name))
+    planned = plan_checkpoint(staged, str(directory), None)
+    assert planned is not None and planned.file_names == (staged.file_name,)
     assert not (directory / DCP_METADATA_NAME).exists()  # the commit writes it, once every rank's file is durable
-    assert writer.shard_path is not None and os.path.basename(writer.shard_path) in writer.file_names
-    (directory / DCP_METADATA_NAME).write_bytes(writer.metadata_bytes)
+    (directory / DCP_METADATA_NAME).write_bytes(planned.metadata_bytes)
     target = {"model": {"w": torch.empty(16, 8), "b": torch.ones(8)}, "extra": {"lr": 0.0, "names": []}}
     dcp.load(target, checkpoint_id=str(directory), no_dist=True)
     assert_bit_equal(target, state, "loaded")
     # A second save into the same directory uses new file names: the committed files stay as they are.
-    second = LazyShardWriter(str(directory), _capture_to_disk, ArchivePlans(None))
-    dcp.save(state, storage_writer=second, no_dist=True)
-    assert set(second.file_names).isdisjoint(writer.file_names)
+    second, _ = stage_shard(state, 0, plans)
+    assert second.file_name != staged.file_name and plans.hits == 2
 
 
 def _dead_pid() -> int:
@@ -178,6 +177,32 @@ def test_sharded_fit_on_s3_commits_each_checkpoint_after_its_files(tmp_path, s3,
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def test_shard_files_give_their_arena_blocks_back_once_written(tmp_path, monkeypatch):
+    """DCP's reader reads shard files from storage: keeping their blocks to serve loads (``serve_from_memory``, on by
+    default) would only hold a second checkpoint's worth of arena pages."""
+    for name in ("LOCAL_RANK", "NODE_RANK"):  # Lightning sets them in this process: restored after the test
+        monkeypatch.setenv(name, "0")
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    torch.manual_seed(0)
+    plugin = DataStatesIO(eager_copy_size="1KiB")
+    assert plugin.config.serve_from_memory
+    checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=1, save_top_k=-1)
+    trainer = make_trainer(
+        str(tmp_path), plugin, callbacks=[checkpoint], strategy=ModelParallelStrategy(), devices=1, max_epochs=1
+    )
+    try:
+        trainer.fit(_ParallelBNModel(width=32), make_loader(n=32))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    engine = plugin.engine
+    assert len(os.listdir(tmp_path / "ckpt")) == 4 and engine.arena is not None and engine.resident is not None
+    assert engine.arena.peak_used_bytes > 0  # the shards went through the arena ...
+    assert engine.arena.used_bytes == 0 and engine.resident.counters.published == 0  # ... and nothing stayed there
 
 
 def test_archives_planned_once_serve_later_tensors_of_the_same_signature_only(tmp_path):

@@ -13,6 +13,10 @@ Columns, from each rank's step times (the slowest rank counts, as training waits
 - **extra host memory**: peak resident memory beyond ``none``'s, as a multiple of the rank's shard bytes (model and
   optimizer state).
 
+Below the table, DataStatesIO's own account: per checkpoint, the slowest rank's save call and barrier wait, the
+median over checkpoints. The training thread waited that long; the rest of its blocked time is the background copy
+and write competing with training for the same cores (on a CPU machine, where training uses every core).
+
 Writes the table to stdout and ``sharded-benchmark.md``, every measurement to ``sharded-benchmark.json`` (``--out``).
 """
 
@@ -80,6 +84,19 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "peak_rss_bytes": max(rank["peak_rss_bytes"] for rank in ranks),
         "shard_bytes": max(rank["shard_bytes"] for rank in ranks),
         "params": ranks[0]["params"],
+        "waited_s": _waited_s(ranks),
+    }
+
+
+def _waited_s(ranks: list[dict[str, Any]]) -> dict[str, float] | None:
+    """DataStatesIO's own account (see the module docstring); None for the other methods."""
+    accounts = [rank.get("engine") or [] for rank in ranks]
+    if not all(accounts) or len({len(a) for a in accounts}) != 1:
+        return None
+    per_checkpoint = list(zip(*accounts, strict=True))
+    return {
+        key: statistics.median(max(figures[key] for figures in checkpoint) for checkpoint in per_checkpoint)
+        for key in ("save_call_s", "barrier_wait_s")
     }
 
 
@@ -102,6 +119,13 @@ def report(table: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
             versus = f"{row['blocked_s'] / sync['blocked_s']:.2f}x"
         extra = f"{(row['peak_rss_bytes'] - none['peak_rss_bytes']) / row['shard_bytes']:.2f}x" if none else "-"
         lines.append(f"| {method} | {row['loop_s']:.2f} | {overhead} | {blocked} | {versus} | {extra} |")
+    waited = table.get("datastates", {}).get("waited_s")
+    if waited:
+        lines += [
+            "",
+            f"DataStatesIO's training thread waited, per checkpoint: save call {waited['save_call_s'] * 1e3:.0f} ms, "
+            f"barrier {waited['barrier_wait_s'] * 1e3:.0f} ms (the slowest rank; median over checkpoints).",
+        ]
     return "\n".join(lines)
 
 

@@ -154,6 +154,16 @@ def _shard_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> in
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _engine_figures(stats: Any) -> dict[str, Any]:
+    return {
+        "save_call_s": stats.save_call_s,
+        "barrier_wait_s": stats.barrier_wait_s,
+        "arena_wait_s": stats.arena_wait_s,
+        "copy_s": stats.copy_s,
+        "durable_s": stats.durable_s,
+    }
+
+
 def run_rank(args: argparse.Namespace) -> None:
     """Train under ``args.worker`` on this rank; write ``rank<r>.json`` into ``args.result``."""
     torch.set_num_threads(1)
@@ -190,6 +200,7 @@ def run_rank(args: argparse.Namespace) -> None:
     model = ShardedGPT(vocab, dim, layers, heads, seq_len)
     trainer.fit(model, loader)
     rss = peak_rss_bytes()
+    plugin = trainer.strategy.checkpoint_io
     durations = [b - a for a, b in zip(timer.starts, timer.starts[1:], strict=False)]
     result = {
         "method": method,
@@ -199,6 +210,8 @@ def run_rank(args: argparse.Namespace) -> None:
         "peak_rss_bytes": rss,
         "shard_bytes": _shard_bytes(model, trainer.optimizers[0]),
         "params": sum(p.numel() for p in model.parameters()),
+        # DataStatesIO's own account of each checkpoint on this rank (what the training thread waited for, and why)
+        "engine": [_engine_figures(stats) for stats in plugin.stats] if isinstance(plugin, DataStatesIO) else [],
     }
     os.makedirs(args.result, exist_ok=True)
     with open(os.path.join(args.result, f"rank{trainer.global_rank}.json"), "w") as out:

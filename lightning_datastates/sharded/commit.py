@@ -2,15 +2,19 @@
 
 One :class:`ShardedCommitter` per rank runs a thread that takes this rank's saves in save order. For each it
 
-1. waits until the engine committed (or failed) this rank's shard file;
-2. exchanges the outcome with every rank (``all_gather_object`` on a gloo group of its own, made at setup: a
-   collective on the training process group from a background thread can deadlock NCCL, and gloo carries a few bytes
-   between threads of the same ranks safely);
-3. on rank 0, if every rank succeeded: reads the names of the files of the checkpoint the directory holds (if any),
+1. plans the checkpoint with DCP (:func:`~lightning_datastates.sharded.dcp_writer.plan_checkpoint`: DCP's two
+   planning collectives, from the plans every rank staged), which gives rank 0 the ``.metadata``;
+2. waits until the engine committed (or failed) this rank's shard file;
+3. exchanges the outcome and the name of the file it wrote with every rank (``all_gather_object``);
+4. on rank 0, if every rank succeeded: reads the names of the files of the checkpoint the directory holds (if any),
    removes its ``meta.pt`` (from here the directory is not a checkpoint, for a few milliseconds instead of the whole
-   flush), writes the new ``.metadata`` and then ``meta.pt`` (each atomically), and removes the earlier files; if a
-   rank failed, removes this save's files instead (the directory keeps what it held before);
-4. shares rank 0's result (``broadcast_object_list``), so that each rank knows whether the checkpoint exists.
+   flush), writes the new ``.metadata`` and then ``meta.pt`` (each atomically), and removes the earlier files and
+   this save's files the metadata does not refer to; if a rank failed, removes this save's files instead (the
+   directory keeps what it held before);
+5. shares rank 0's result (``broadcast_object_list``), so that each rank knows whether the checkpoint exists.
+
+Every collective runs on a gloo group of its own, made at setup: a collective on the training process group from a
+background thread can deadlock NCCL, and gloo carries a few bytes between threads of the same ranks safely.
 
 A rank whose own shard failed reports that failure (the engine keeps it); every other rank gets one
 :class:`~lightning_datastates.errors.CheckpointFlushError` naming the rank that failed. Removals that ModelCheckpoint
@@ -35,7 +39,13 @@ from datetime import timedelta
 from typing import Any
 
 from lightning_datastates.errors import CheckpointFlushError
-from lightning_datastates.sharded.dcp_writer import DCP_METADATA_NAME, join_path
+from lightning_datastates.sharded.dcp_writer import (
+    DCP_METADATA_NAME,
+    CheckpointPlan,
+    StagedShard,
+    join_path,
+    plan_checkpoint,
+)
 from lightning_datastates.snapshot.job import JobState, SnapshotStats
 from lightning_datastates.storage.base import StorageWriter
 from lightning_datastates.storage.local import is_local_path, local_path
@@ -53,17 +63,16 @@ DEFAULT_EXCHANGE_TIMEOUT = timedelta(minutes=30)
 
 @dataclass(frozen=True)
 class ShardedSave:
-    """One rank's part of one sharded save, handed to the committer once DCP's ``save`` returned.
+    """One rank's part of one sharded save, handed to the committer once the training thread staged it.
 
-    ``shard`` is the engine's record of this rank's file (None when the rank wrote none); rank 0 also holds the
-    pickled ``.metadata``, Lightning's ``meta.pt`` bytes and the names of every rank's file.
+    ``shard`` is the engine's record of this rank's file (None when the rank wrote none), ``staged`` what DCP's
+    planning needs of this rank; rank 0 also holds Lightning's ``meta.pt`` bytes.
     """
 
     path: str
     shard: SnapshotStats | None
-    metadata_bytes: bytes | None = None
+    staged: StagedShard
     meta_bytes: bytes | None = None
-    file_names: tuple[str, ...] = ()
     marker: str | None = None  # rank 0: the in-flight marker (sharded/leftovers.py), removed once settled
 
 
@@ -176,54 +185,65 @@ class ShardedCommitter:
     def _commit(self, save: ShardedSave) -> None:
         import torch.distributed as dist
 
-        own_error = None
+        # Every rank plans every save, in the same order, even one that failed here: the others wait for it.
+        planned: CheckpointPlan | None = None
+        own_error: str | None = None
+        try:
+            planned = plan_checkpoint(save.staged, save.path, self._group)
+        except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException; reported below
+            own_error = f"DCP could not plan it: {exc!r}"
+        # Already raised on this rank's training thread (its staging) or reported by the engine (its file).
+        reported_here = save.staged.error is not None
+        written = None
         if save.shard is not None:
-            self._wait_shard(save.shard.path)
+            written = save.staged.file_name
+            self._wait_shard(save.shard.path)  # also after a failed planning: the file is removed once written
             if save.shard.state == JobState.SKIPPED.value:
-                own_error = f"{_SKIPPED}its host arena was full (on_arena_full='skip')"
+                own_error, reported_here = f"{_SKIPPED}its host arena was full (on_arena_full='skip')", True
             elif save.shard.state != JobState.COMMITTED.value:
-                own_error = f"its shard file {save.shard.path} was {save.shard.state}"
-        outcomes: list[str | None] = [None] * dist.get_world_size(self._group)
-        dist.all_gather_object(outcomes, own_error, group=self._group)
-        failed = [(rank, error) for rank, error in enumerate(outcomes) if error is not None]
+                own_error, reported_here = f"its shard file {save.shard.path} was {save.shard.state}", True
+        outcomes: list[tuple[str | None, str | None]] = [(None, None)] * dist.get_world_size(self._group)
+        dist.all_gather_object(outcomes, (own_error, written), group=self._group)
+        failed = [(rank, error) for rank, (error, _) in enumerate(outcomes) if error is not None]
+        files = tuple(sorted(name for _, name in outcomes if name is not None))
         verdict: list[str | None] = [None]
         if self._rank == 0:
-            verdict[0] = self._publish(save) if not failed else self._discard(save, failed)
+            verdict[0] = self._discard(save, files, failed) if failed else self._publish(save, planned, files)
         if save.marker is not None:
             self._remove_files(self._writer_for(save.path), save.path, [_name(save.marker)])  # settled
         dist.broadcast_object_list(verdict, src=0, group=self._group)
         if verdict[0] is not None:
-            # This rank's own failure reaches its training thread through the engine; the others learn it here. A
-            # checkpoint skipped by choice (on_arena_full="skip") is no failure: it is logged, as a skipped file is.
+            # A checkpoint skipped by choice (on_arena_full="skip") is no failure: it is logged, as a skipped file is.
             skipped = bool(failed) and all(error.startswith(_SKIPPED) for _, error in failed)
             report: str | None = f"checkpoint {save.path} was not committed: {verdict[0]}"
-            if own_error is not None or skipped:
+            if reported_here or skipped:
                 report = None
             if skipped and self._rank == 0:
                 log.warning("lightning_datastates: skipped sharded checkpoint %s: %s", save.path, verdict[0])
             self._fail(None if report is None else CheckpointFlushError(report, save.path))
 
-    def _publish(self, save: ShardedSave) -> str | None:
+    def _publish(self, save: ShardedSave, planned: CheckpointPlan | None, files: tuple[str, ...]) -> str | None:
         """Rank 0, every shard durable: make the directory this checkpoint. The error text if that failed."""
-        assert save.metadata_bytes is not None and save.meta_bytes is not None
+        assert planned is not None and save.meta_bytes is not None
         writer = self._writer_for(save.path)
         metadata_path = join_path(save.path, DCP_METADATA_NAME)
         try:
             earlier = _files_of(writer, metadata_path)
             writer.remove(join_path(save.path, LIGHTNING_META_NAME))  # uncommit the checkpoint held before, if any
-            write_file(writer, metadata_path, save.metadata_bytes)
+            write_file(writer, metadata_path, planned.metadata_bytes)
             write_file(writer, join_path(save.path, LIGHTNING_META_NAME), save.meta_bytes)
         except Exception as exc:  # noqa: BLE001 - reported to every rank
             log.error("lightning_datastates: committing %s failed: %r", save.path, exc)
-            self._remove_files(writer, save.path, save.file_names)
+            self._remove_files(writer, save.path, files)
             return f"rank 0 could not write its metadata: {exc!r}"
-        self._remove_files(writer, save.path, sorted(set(earlier) - set(save.file_names)))
+        # The files of the checkpoint replaced, and a file of this save that DCP chose none of the items of.
+        self._remove_files(writer, save.path, sorted((set(earlier) | set(files)) - set(planned.file_names)))
         return None
 
-    def _discard(self, save: ShardedSave, failed: list[tuple[int, str]]) -> str:
+    def _discard(self, save: ShardedSave, files: tuple[str, ...], failed: list[tuple[int, str]]) -> str:
         """Rank 0, a rank failed: remove this save's files; the directory keeps what it held. The error text."""
         writer = self._writer_for(save.path)
-        self._remove_files(writer, save.path, save.file_names)
+        self._remove_files(writer, save.path, files)
         if save.marker is not None:
             self._remove_files(writer, save.path, [_name(save.marker)])
         if not writer.exists(join_path(save.path, LIGHTNING_META_NAME)):

@@ -1,20 +1,25 @@
-"""The seam between ``torch.distributed.checkpoint`` and the snapshot engine: a DCP ``StorageWriter`` whose
-``write_data`` captures the rank's shard file lazily and whose ``finish`` keeps the metadata for a later commit.
+"""The seam between ``torch.distributed.checkpoint`` (DCP) and the snapshot engine, in two halves: what a rank can
+decide alone runs on its training thread; DCP's collectives run later on the committer thread, over a gloo group.
 
-DCP drives it, on the training thread of every rank, inside ``torch.distributed.checkpoint.save``:
-  1) ``reset`` and ``set_up_storage_writer`` (every rank);
-  2) ``prepare_local_plan`` (every rank), then ``prepare_global_plan`` (coordinator): each rank's items go to one file,
-     ``__<rank>_<token>.distcp``; the token is new for every save, so a save into a directory that holds a committed
-     checkpoint never overwrites that checkpoint's files;
-  3) ``write_data`` (every rank): plan the file (:mod:`~lightning_datastates.sharded.layout`), hand it to the capture
-     callback (the engine copies and writes it in the background) and answer at once with each item's extent, known
-     from the plan;
-  4) ``finish`` (coordinator): the ``.metadata`` DCP's reader needs, pickled now and written only once every rank's
-     file is durable (:mod:`~lightning_datastates.sharded.commit`): DCP's own writer would publish it here, before a
-     lazy copy has even started.
+Training thread of every rank (:func:`stage_shard`, no collective): DCP's default planner makes this rank's local
+plan (the items of its state: the local shards of DTensors, plain tensors, pickled objects) and resolves each item;
+the rank's file ``__<rank>_<token>.distcp`` is planned (:mod:`~lightning_datastates.sharded.layout`) with every
+item's extent, and handed to the engine, which copies and writes it lazily. The token is new for every save, so a
+save into a directory that holds a committed checkpoint never overwrites that checkpoint's files.
 
-Planning collectives run on the training thread, as in Lightning's synchronous sharded save; nothing here starts a
-collective from another thread.
+Committer thread of every rank (:func:`plan_checkpoint`, in save order on every rank): DCP's own ``save`` runs with
+an empty state dict, :class:`StagedPlanner` (it answers with the staged local plan) and :class:`StagedShardWriter`
+(it answers ``write_data`` with the extents already known). DCP gathers the local plans on the coordinator, which
+deduplicates replicated items and builds the global metadata, and returns each rank its final plan; DCP calls, in
+this order: ``reset``, ``set_up_storage_writer``, ``prepare_local_plan`` (every rank), ``prepare_global_plan``
+(coordinator), ``write_data`` (every rank), ``finish`` (coordinator: the pickled ``.metadata``, written only once
+every rank's file is durable, :mod:`~lightning_datastates.sharded.commit`).
+
+Why split: DCP's planning is two collectives whose cost (pickling every rank's plan, waiting for the slowest rank)
+the training thread would otherwise pay at every save, as in DCP's own ``async_save``, which plans in the background
+too. The price: an item DCP deduplicates (a replicated tensor, a pickled object every rank holds) is copied and
+written by every rank that holds it, as the staging happens before the coordinator chose one; the metadata refers
+to one copy, and the commit removes a file none of whose items was chosen.
 """
 
 from __future__ import annotations
@@ -23,26 +28,23 @@ import io
 import os
 import pickle
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from lightning_datastates.compat.torch import dcp_storage_info
-from lightning_datastates.sharded.layout import ArchivePlans, ShardFilePlan, plan_shard_file
+from lightning_datastates.sharded.layout import ArchivePlans, PieceExtent, ShardFilePlan, plan_shard_file
 
 #: DCP's suffix of data files.
 SHARD_SUFFIX = ".distcp"
 #: DCP's name of the file that makes a directory a checkpoint for its reader.
 DCP_METADATA_NAME = ".metadata"
-
-#: ``capture(plan, file_path)``: snapshot one shard file (training thread; returns once training may go on).
-ShardCapture = Callable[[ShardFilePlan, str], None]
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,29 @@ class ShardFileName:
     """``SavePlan.storage_data`` of one rank: the name of its file inside the checkpoint directory."""
 
     name: str
+
+
+@dataclass(frozen=True)
+class StagedShard:
+    """What the committer needs of this rank's part of one save, as its training thread staged it.
+
+    ``plan`` is DCP's local plan (its ``storage_data`` the file's name), ``extents`` each item's place in the file by
+    its key (:func:`_item_key`). ``error`` is set when staging failed on this rank: the collective planning then fails
+    on every rank, so that no rank waits for this one. No tensor is referenced: the engine holds what it copies.
+    """
+
+    plan: SavePlan
+    file_name: str
+    extents: dict[tuple[str, tuple[int, ...] | None], PieceExtent]
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """What the coordinator keeps of DCP's global planning: the pickled ``.metadata`` and the files it refers to."""
+
+    metadata_bytes: bytes
+    file_names: tuple[str, ...]
 
 
 def shard_file_name(rank: int, token: str) -> str:
@@ -62,26 +87,81 @@ def join_path(directory: str, name: str) -> str:
     return f"{directory.rstrip('/')}/{name}"
 
 
-class LazyShardWriter(StorageWriter):
-    """A DCP ``StorageWriter`` for one save into ``path`` (see the module docstring for the call order).
+def stage_shard(state: dict[str, Any], rank: int, plans: ArchivePlans) -> tuple[StagedShard, ShardFilePlan | None]:
+    """Training thread: DCP's local plan of ``state`` for ``rank`` and the plan of the rank's file, None when the rank
+    holds no item (no collective, no tensor data read; the caller hands the file's plan to the engine).
 
-    After ``save`` returns, :attr:`shard_path` is this rank's file (None if DCP gave it no item: replicated state is
-    saved by one rank only) and, on the coordinator, :attr:`metadata_bytes` the pickled ``.metadata`` and
-    :attr:`file_names` every rank's file.
+    Raises:
+        LayoutUnsupported: torch refused to plan a tensor's archive.
+    """
+    planner = DefaultSavePlanner()
+    # DCP's coordinator is rank 0 of the group it plans over; the committer's group spans every rank in order.
+    planner.set_up_planner(state, storage_meta=None, is_coordinator=rank == 0)
+    name = shard_file_name(rank, uuid.uuid4().hex[:12])
+    plan = replace(planner.create_local_plan(), storage_data=ShardFileName(name))
+    payloads = [_payload(planner.resolve_data(item)) for item in plan.items]
+    if not plan.items:
+        return StagedShard(plan, name, {}), None
+    shard = plan_shard_file(payloads, plans.alignment, plans)
+    extents = {_item_key(item.index): extent for item, extent in zip(plan.items, shard.extents, strict=True)}
+    return StagedShard(plan, name, extents), shard
+
+
+def failed_staging(rank: int, error: BaseException) -> StagedShard:
+    """The stand-in for a staging that raised ``error``: it makes the collective planning fail on every rank."""
+    return StagedShard(SavePlan([]), shard_file_name(rank, uuid.uuid4().hex[:12]), {}, error)
+
+
+def plan_checkpoint(staged: StagedShard, path: str, group: Any) -> CheckpointPlan | None:
+    """Committer thread, every rank in save order: DCP's global planning of the save into ``path`` over ``group``
+    (None: one process, no collectives). The coordinator gets the :class:`CheckpointPlan`, every other rank None.
+
+    Raises:
+        torch.distributed.checkpoint.api.CheckpointException: planning failed on some rank (on every rank alike).
+    """
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    writer = StagedShardWriter(path, staged)
+    save({}, storage_writer=writer, planner=StagedPlanner(staged), process_group=group, no_dist=group is None)
+    return writer.checkpoint_plan
+
+
+class StagedPlanner(DefaultSavePlanner):
+    """DCP's default planner whose local plan is the one staged on the training thread (the state dict it is given
+    on the committer thread is empty: the coordinator's global planning needs the plans alone)."""
+
+    def __init__(self, staged: StagedShard) -> None:
+        super().__init__()
+        self._staged = staged
+
+    def set_up_planner(
+        self, state_dict: dict[str, Any], storage_meta: StorageMeta | None = None, is_coordinator: bool = False
+    ) -> None:
+        """Keep the role only."""
+        self.state_dict = state_dict
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        """The staged plan; a staging error fails the planning on every rank."""
+        if self._staged.error is not None:
+            raise RuntimeError(f"staging failed on this rank: {self._staged.error!r}") from self._staged.error
+        self.plan = self._staged.plan
+        return self.plan
+
+
+class StagedShardWriter(StorageWriter):
+    """DCP's ``StorageWriter`` for one staged save into ``path`` (see the module docstring for the call order).
+
+    Nothing is written here: the engine writes the rank's file, the committer ``.metadata``. After DCP's ``save``,
+    :attr:`checkpoint_plan` holds, on the coordinator, the metadata and the files it refers to.
     """
 
-    def __init__(self, path: str, capture: ShardCapture, plans: ArchivePlans) -> None:
+    def __init__(self, path: str, staged: StagedShard) -> None:
         super().__init__()
         self.path = path
-        self.token = uuid.uuid4().hex[:12]
         self.save_id = uuid.uuid4().hex
-        self._capture = capture
-        self._plans = plans
-        self.rank = 0
-        self.is_coordinator = False
-        self.shard_path: str | None = None
-        self.metadata_bytes: bytes | None = None
-        self.file_names: tuple[str, ...] = ()
+        self._staged = staged
+        self.checkpoint_plan: CheckpointPlan | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """A new save begins (DCP passes the ``checkpoint_id`` given to ``save``, if any)."""
@@ -90,42 +170,24 @@ class LazyShardWriter(StorageWriter):
         self.save_id = uuid.uuid4().hex
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        """Learn this rank's role (DCP passes ``rank`` by keyword on torch >= 2.6)."""
-        self.is_coordinator = is_coordinator
-        rank = kwargs.get("rank")
-        if rank is None:
-            import torch.distributed as dist
-
-            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        self.rank = int(rank)
+        """Nothing to set up: the file's name was chosen when staging."""
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        """Nothing to add locally: the coordinator names the files."""
+        """The staged plan names its file already."""
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Coordinator: one file per rank, named for this save."""
-        return [
-            replace(plan, storage_data=ShardFileName(shard_file_name(i, self.token))) for i, plan in enumerate(plans)
-        ]
+        """Coordinator: each rank keeps the file it named."""
+        return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Plan this rank's file, start its lazy capture, and answer with each item's extent (already known)."""
-        name = plan.storage_data.name
-        payloads = [_payload(planner.resolve_data(item)) for item in plan.items]
-        results: list[WriteResult] = []
-        if plan.items:
-            shard = plan_shard_file(payloads, self._plans.alignment, self._plans)
-            self.shard_path = join_path(self.path, name)
-            self._capture(shard, self.shard_path)
-            results = [
-                WriteResult(
-                    index=item.index,
-                    size_in_bytes=extent.length,
-                    storage_data=dcp_storage_info(name, extent.offset, extent.length),
-                )
-                for item, extent in zip(plan.items, shard.extents, strict=True)
-            ]
+        """Answer with the extent of each item DCP kept for this rank (the engine writes the file)."""
+        name = self._staged.file_name
+        results = []
+        for item in plan.items:
+            extent = self._staged.extents[_item_key(item.index)]
+            info = dcp_storage_info(name, extent.offset, extent.length)
+            results.append(WriteResult(index=item.index, size_in_bytes=extent.length, storage_data=info))
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
@@ -134,8 +196,8 @@ class LazyShardWriter(StorageWriter):
         """Coordinator: keep the complete ``.metadata`` (pickled, as DCP's reader unpickles it) for the commit."""
         metadata.storage_data = {result.index: result.storage_data for rank in results for result in rank}
         metadata.storage_meta = self.storage_meta()
-        self.metadata_bytes = pickle.dumps(metadata)
-        self.file_names = tuple(sorted({result.storage_data.relative_path for rank in results for result in rank}))
+        names = tuple(sorted({result.storage_data.relative_path for rank in results for result in rank}))
+        self.checkpoint_plan = CheckpointPlan(pickle.dumps(metadata), names)
 
     def storage_meta(self) -> StorageMeta | None:
         """The checkpoint's path and this save's id, as DCP's own writer records them."""
@@ -145,6 +207,11 @@ class LazyShardWriter(StorageWriter):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """Any path: the plugin picked the storage already."""
         return True
+
+
+def _item_key(index: MetadataIndex) -> tuple[str, tuple[int, ...] | None]:
+    """An item's identity across DCP's planning (the index hint may be rewritten by the coordinator)."""
+    return index.fqn, None if index.offset is None else tuple(index.offset)
 
 
 def _payload(data: torch.Tensor | io.BytesIO) -> torch.Tensor | bytes:

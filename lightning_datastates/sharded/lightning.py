@@ -39,8 +39,6 @@ def saves_with_dcp(strategy: Any) -> bool:
 
 def install(strategy: Any, saver: ShardedSaver, drain: Any) -> None:
     """Route ``strategy``'s sharded saves through ``saver``; ``drain()`` waits for every pending commit."""
-    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-
     original_load = strategy.load_checkpoint
 
     def save_checkpoint(checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -52,7 +50,7 @@ def install(strategy: Any, saver: ShardedSaver, drain: Any) -> None:
         path = checkpoint_path_str(strategy.broadcast(filepath))  # every rank saves into rank 0's directory
         state = {"state_dict": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        saver.save(state, checkpoint, path, dcp_save)
+        saver.save(state, checkpoint, path)
 
     def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
         drain()  # a checkpoint this run saved is committed before it is read

@@ -1,9 +1,10 @@
-"""One rank's sharded save: DCP plans on the training thread, the engine copies and writes this rank's file lazily,
-the committer publishes the checkpoint once every rank's file is durable.
+"""One rank's sharded save: the training thread stages this rank's part (DCP's local plan, the plan of its file),
+the engine copies and writes the file lazily, the committer plans the checkpoint with DCP over a gloo group and
+publishes it once every rank's file is durable.
 
 Call order (training thread of every rank, inside the strategy's ``save_checkpoint``): :meth:`ShardedSaver.save`.
-Then, on engine threads, the copy and write of this rank's file; on the committer thread, the exchange and the commit
-(:mod:`~lightning_datastates.sharded.commit`).
+Then, on engine threads, the copy and write of this rank's file; on the committer thread, DCP's global planning, the
+exchange and the commit (:mod:`~lightning_datastates.sharded.commit`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import io
 import os
 import time
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -19,8 +19,8 @@ import torch
 from lightning_datastates.capture.layout import VerifiedStructures
 from lightning_datastates.interrupts import sigint_deferred
 from lightning_datastates.sharded.commit import ShardedCommitter, ShardedSave
-from lightning_datastates.sharded.dcp_writer import LazyShardWriter
-from lightning_datastates.sharded.layout import ArchivePlans, ShardFilePlan
+from lightning_datastates.sharded.dcp_writer import failed_staging, join_path, stage_shard
+from lightning_datastates.sharded.layout import ArchivePlans
 from lightning_datastates.sharded.leftovers import mark_pending
 from lightning_datastates.snapshot.engine import LazyPredicate, SnapshotEngine
 from lightning_datastates.snapshot.job import SnapshotStats
@@ -62,14 +62,15 @@ class ShardedSaver:
         self._cleaned: set[str] = set()
         self.committer = ShardedCommitter(group, rank, host.engine.wait_path, host.writer_for)
 
-    def save(self, state: dict[str, Any], meta: dict[str, Any], path: str, save: Callable[..., Any]) -> None:
-        """Save ``state`` (tensors, sharded or not) with DCP into directory ``path``, and ``meta`` as Lightning's
-        ``meta.pt`` (rank 0); return once training may go on (outside the training loop: once committed).
+    def save(self, state: dict[str, Any], meta: dict[str, Any], path: str) -> None:
+        """Save ``state`` (tensors, sharded or not) in DCP's format into directory ``path``, and ``meta`` as
+        Lightning's ``meta.pt`` (rank 0); return once training may go on (outside the training loop: once committed).
 
-        ``save`` is ``torch.distributed.checkpoint.save`` (a parameter so that this module imports no collective).
+        No collective runs here: DCP's planning runs on the committer thread (see the module docstring).
 
         Raises:
             CheckpointFlushError: an earlier background write failed (raised once).
+            LayoutUnsupported: torch refused to plan a tensor's archive (the save fails on every rank; raised here).
         """
         started = time.perf_counter()
         host = self._host
@@ -87,21 +88,25 @@ class ShardedSaver:
             host.clean_stale(directory)
         meta_bytes = _serialized(meta) if self.rank == 0 else None  # the non-tensor state as it is now
         lazy, awaits_commit = host.lazy_for_save()
-        captured: list[SnapshotStats] = []
-
-        def capture(shard: ShardFilePlan, file_path: str) -> None:
-            stats = host.engine.capture_planned(shard.layout, shard.storages, file_path, writer, lazy, awaits_commit)
-            captured.append(stats)
-
-        dcp_writer = LazyShardWriter(path, capture, self._plans)
+        stats: SnapshotStats | None = None
         with sigint_deferred():  # Ctrl+C must not split a capture (see interrupts.py)
-            save(state, storage_writer=dcp_writer)
-        shard = captured[0] if captured else None
-        if shard is not None:
-            shard.save_call_s = time.perf_counter() - started  # DCP's planning collectives included
-        self.committer.submit(
-            ShardedSave(path, shard, dcp_writer.metadata_bytes, meta_bytes, dcp_writer.file_names, marker)
-        )
+            try:
+                staged, shard = stage_shard(state, self.rank, self._plans)
+                if shard is not None:
+                    file_path = join_path(path, staged.file_name)
+                    # Not served from memory: DCP's reader reads shard files from storage. Blocks kept for loads
+                    # that never come would keep a second checkpoint's worth of arena pages in use.
+                    stats = host.engine.capture_planned(
+                        shard.layout, shard.storages, file_path, writer, lazy, awaits_commit, serve_loads=False
+                    )
+            except BaseException as exc:
+                # The other ranks plan this save on their committer threads: this rank's committer joins them with
+                # the failure, so that the save fails everywhere instead of leaving them waiting.
+                self.committer.submit(ShardedSave(path, None, failed_staging(self.rank, exc), meta_bytes, marker))
+                raise
+        if stats is not None:
+            stats.save_call_s = time.perf_counter() - started
+        self.committer.submit(ShardedSave(path, stats, staged, meta_bytes, marker))
         if awaits_commit:
             # Outside fit's training loop: return once the checkpoint is committed, as Lightning's own save does.
             try:

@@ -148,10 +148,13 @@ class SnapshotEngine:
         lazy: LazyPredicate | None,
         awaits_commit: bool = False,
         started_at: float | None = None,
+        serve_loads: bool = True,
     ) -> SnapshotStats:
         """:meth:`capture` of a file whose layout the caller planned: ``layout``, and ``storages`` indexed by its
         record keys (the shard files of a distributed checkpoint, :mod:`~lightning_datastates.sharded`).
-        ``started_at`` is when the save call began (now if None). Same contract and errors as :meth:`capture`."""
+        ``started_at`` is when the save call began (now if None). Without ``serve_loads`` the file's arena blocks go
+        back to the arena once written, even with ``serve_from_memory``: for a file no load of this plugin reads.
+        Same contract and errors as :meth:`capture`."""
         started_at = time.perf_counter() if started_at is None else started_at
         data_path = self._open_data_path(arena_request_bytes(layout))
         may_skip = lazy is not None and not awaits_commit
@@ -209,7 +212,7 @@ class SnapshotEngine:
                 plan_lazy_copy(
                     job, lazy_records, storages, self._sharing, chunk_bytes, phase_bytes, through, wake, awaits_commit
                 )
-            if data_path.resident is not None:
+            if data_path.resident is not None and serve_loads:
                 data_path.resident.register(job, writer)
             self.history.append(job.stats)
             data_path.copier.submit(job)
