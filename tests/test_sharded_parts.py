@@ -18,9 +18,10 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_datastates import DataStatesIO
 from lightning_datastates.sharded.commit import LIGHTNING_META_NAME
-from lightning_datastates.sharded.dcp_writer import DCP_METADATA_NAME, plan_checkpoint, stage_shard
+from lightning_datastates.sharded.dcp_writer import DCP_METADATA_NAME, plan_checkpoint
 from lightning_datastates.sharded.layout import ArchivePlans, plan_shard_file
 from lightning_datastates.sharded.leftovers import PENDING_SUFFIX, clean_sharded_leftovers, mark_pending
+from lightning_datastates.sharded.staging import LocalPlans, stage_shard
 from lightning_datastates.storage import LocalWriter
 from lightning_datastates.storage.leftovers import host_tag
 from tests.conftest import BNModel, assert_bit_equal, make_loader, make_trainer
@@ -53,9 +54,11 @@ def test_each_item_of_a_shard_file_loads_with_torch_load_of_its_extent(tmp_path,
     blob = path.read_bytes()
     assert len(plan.extents) == len(items)
     previous_end = 0
-    for item, extent in zip(items, plan.extents, strict=True):
+    for extent in sorted(plan.extents, key=lambda e: e.offset):  # aligned pieces, none overlapping another
         assert extent.offset % (alignment or 64) == 0 and extent.offset >= previous_end
         previous_end = extent.offset + extent.length
+    assert previous_end == plan.layout.total_bytes
+    for item, extent in zip(items, plan.extents, strict=True):
         piece = blob[extent.offset : extent.offset + extent.length]
         if isinstance(item, bytes):
             assert piece == item
@@ -84,7 +87,7 @@ def test_a_staged_shard_planned_by_dcp_is_read_by_dcp_once_the_metadata_is_writt
     assert_bit_equal(target, state, "loaded")
     # A second save into the same directory uses new file names: the committed files stay as they are.
     second, _ = stage_shard(state, 0, plans)
-    assert second.file_name != staged.file_name and plans.hits == 2
+    assert second.file_name != staged.file_name and plans.run_hits == 1
 
 
 def _dead_pid() -> int:
@@ -225,3 +228,70 @@ def test_archives_planned_once_serve_later_tensors_of_the_same_signature_only(tm
         loaded = torch.load(io.BytesIO(blob[extent.offset : extent.offset + extent.length]), weights_only=True)
         assert_bit_equal(loaded, item, "item")
         assert loaded.stride() == item.stride() and loaded.storage_offset() == item.storage_offset()
+
+
+def test_a_later_save_of_the_same_shards_reuses_their_placement_and_places_new_bytes_after_them(tmp_path):
+    """The tensors' placement depends on their signatures only; byte items (pickled objects) may change from save to
+    save and come after the tensors."""
+    plans = ArchivePlans(None)
+    first = plan_shard_file([b"step 1", torch.randn(4, 6), torch.ones(3, dtype=torch.bfloat16)], None, plans)
+    items = [b"step 2, longer", torch.randn(4, 6), torch.zeros(3, dtype=torch.bfloat16)]
+    second = plan_shard_file(items, None, plans)
+    assert (plans.run_hits, plans.hits) == (1, 0)
+    assert second.layout.records == first.layout.records and second.extents[1:] == first.extents[1:]
+    assert second.extents[0].offset > second.extents[2].offset  # the byte item after the tensors
+    path = tmp_path / "shard.distcp"
+    _write(second, str(path))
+    blob = path.read_bytes()
+    assert len(blob) == second.layout.total_bytes
+    assert blob[second.extents[0].offset : second.extents[0].offset + second.extents[0].length] == items[0]
+    for item, extent in zip(items[1:], second.extents[1:], strict=True):
+        loaded = torch.load(io.BytesIO(blob[extent.offset : extent.offset + extent.length]), weights_only=True)
+        assert_bit_equal(loaded, item, "item")
+    # A tensor of another shape is another run.
+    plan_shard_file([torch.randn(5, 6), torch.zeros(3, dtype=torch.bfloat16)], None, plans)
+    assert plans.run_hits == 1
+
+
+@pytest.fixture
+def one_rank_mesh():
+    """A device mesh of this process alone (gloo), for DTensors outside a Trainer."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dcp_local_plan_is_reused_only_while_every_input_of_it_is_the_same(one_rank_mesh):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    def sharded(*shape: int, requires_grad: bool = True) -> torch.nn.Parameter:
+        tensor = distribute_tensor(torch.randn(*shape), one_rank_mesh, [Shard(0)])
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+
+    weight = sharded(8, 4)
+
+    def state(w: torch.Tensor = weight, **extra: object) -> dict:
+        return {"model": {"w": w, "b": torch.zeros(4)}, "optimizer": {"lr": 0.1, **extra}}
+
+    def fresh(checkpoint: dict):  # DCP's own local plan, no cache
+        return stage_shard(checkpoint, 0, ArchivePlans(None))[0].plan
+
+    local_plans, plans = LocalPlans(), ArchivePlans(None)
+    stage_shard(state(), 0, plans, local_plans)
+    reused = stage_shard(state(w=sharded(8, 4)), 0, plans, local_plans)[0].plan  # other values, same structure
+    assert local_plans.hits == 1
+    assert reused.items == fresh(state()).items and reused.planner_data == fresh(state()).planner_data
+    # Each input of DCP's plan, changed: planned anew, and what DCP itself plans.
+    changed = [state(w=sharded(6, 4)), state(w=sharded(8, 4, requires_grad=False)), state(momentum=0.9)]
+    for checkpoint in changed:
+        assert stage_shard(checkpoint, 0, plans, local_plans)[0].plan.items == fresh(checkpoint).items
+    stage_shard(state(), 0, plans, local_plans)
+    with torch.no_grad():  # DCP's to_local() does not require grad then: another plan
+        without_grad = stage_shard(state(), 0, plans, local_plans)[0].plan.items
+        assert without_grad == fresh(state()).items != reused.items
+    assert local_plans.hits == 1

@@ -1,11 +1,10 @@
 """The seam between ``torch.distributed.checkpoint`` (DCP) and the snapshot engine, in two halves: what a rank can
 decide alone runs on its training thread; DCP's collectives run later on the committer thread, over a gloo group.
 
-Training thread of every rank (:func:`stage_shard`, no collective): DCP's default planner makes this rank's local
-plan (the items of its state: the local shards of DTensors, plain tensors, pickled objects) and resolves each item;
-the rank's file ``__<rank>_<token>.distcp`` is planned (:mod:`~lightning_datastates.sharded.layout`) with every
-item's extent, and handed to the engine, which copies and writes it lazily. The token is new for every save, so a
-save into a directory that holds a committed checkpoint never overwrites that checkpoint's files.
+Training thread of every rank (:mod:`~lightning_datastates.sharded.staging`, no collective): DCP's local plan of the
+rank's state and the plan of its file ``__<rank>_<token>.distcp``, with every item's extent (a
+:class:`StagedShard`); the engine copies and writes the file lazily. The token is new for every save, so a save into
+a directory that holds a committed checkpoint never overwrites that checkpoint's files.
 
 Committer thread of every rank (:func:`plan_checkpoint`, in save order on every rank): DCP's own ``save`` runs with
 an empty state dict, :class:`StagedPlanner` (it answers with the staged local plan) and :class:`StagedShardWriter`
@@ -24,14 +23,12 @@ to one copy, and the commit removes a file none of whose items was chosen.
 
 from __future__ import annotations
 
-import io
 import os
 import pickle
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -39,7 +36,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from lightning_datastates.compat.torch import dcp_storage_info
-from lightning_datastates.sharded.layout import ArchivePlans, PieceExtent, ShardFilePlan, plan_shard_file
+from lightning_datastates.sharded.layout import PieceExtent
 
 #: DCP's suffix of data files.
 SHARD_SUFFIX = ".distcp"
@@ -59,7 +56,7 @@ class StagedShard:
     """What the committer needs of this rank's part of one save, as its training thread staged it.
 
     ``plan`` is DCP's local plan (its ``storage_data`` the file's name), ``extents`` each item's place in the file by
-    its key (:func:`_item_key`). ``error`` is set when staging failed on this rank: the collective planning then fails
+    its key (:func:`item_key`). ``error`` is set when staging failed on this rank: the collective planning then fails
     on every rank, so that no rank waits for this one. No tensor is referenced: the engine holds what it copies.
     """
 
@@ -85,31 +82,6 @@ def shard_file_name(rank: int, token: str) -> str:
 def join_path(directory: str, name: str) -> str:
     """``name`` inside ``directory``, for local paths and URLs alike."""
     return f"{directory.rstrip('/')}/{name}"
-
-
-def stage_shard(state: dict[str, Any], rank: int, plans: ArchivePlans) -> tuple[StagedShard, ShardFilePlan | None]:
-    """Training thread: DCP's local plan of ``state`` for ``rank`` and the plan of the rank's file, None when the rank
-    holds no item (no collective, no tensor data read; the caller hands the file's plan to the engine).
-
-    Raises:
-        LayoutUnsupported: torch refused to plan a tensor's archive.
-    """
-    planner = DefaultSavePlanner()
-    # DCP's coordinator is rank 0 of the group it plans over; the committer's group spans every rank in order.
-    planner.set_up_planner(state, storage_meta=None, is_coordinator=rank == 0)
-    name = shard_file_name(rank, uuid.uuid4().hex[:12])
-    plan = replace(planner.create_local_plan(), storage_data=ShardFileName(name))
-    payloads = [_payload(planner.resolve_data(item)) for item in plan.items]
-    if not plan.items:
-        return StagedShard(plan, name, {}), None
-    shard = plan_shard_file(payloads, plans.alignment, plans)
-    extents = {_item_key(item.index): extent for item, extent in zip(plan.items, shard.extents, strict=True)}
-    return StagedShard(plan, name, extents), shard
-
-
-def failed_staging(rank: int, error: BaseException) -> StagedShard:
-    """The stand-in for a staging that raised ``error``: it makes the collective planning fail on every rank."""
-    return StagedShard(SavePlan([]), shard_file_name(rank, uuid.uuid4().hex[:12]), {}, error)
 
 
 def plan_checkpoint(staged: StagedShard, path: str, group: Any) -> CheckpointPlan | None:
@@ -185,7 +157,7 @@ class StagedShardWriter(StorageWriter):
         name = self._staged.file_name
         results = []
         for item in plan.items:
-            extent = self._staged.extents[_item_key(item.index)]
+            extent = self._staged.extents[item_key(item.index)]
             info = dcp_storage_info(name, extent.offset, extent.length)
             results.append(WriteResult(index=item.index, size_in_bytes=extent.length, storage_data=info))
         future: Future[list[WriteResult]] = Future()
@@ -209,13 +181,6 @@ class StagedShardWriter(StorageWriter):
         return True
 
 
-def _item_key(index: MetadataIndex) -> tuple[str, tuple[int, ...] | None]:
+def item_key(index: MetadataIndex) -> tuple[str, tuple[int, ...] | None]:
     """An item's identity across DCP's planning (the index hint may be rewritten by the coordinator)."""
     return index.fqn, None if index.offset is None else tuple(index.offset)
-
-
-def _payload(data: torch.Tensor | io.BytesIO) -> torch.Tensor | bytes:
-    """What goes into the file for one resolved item: the tensor itself (its archive is planned), or the bytes."""
-    if isinstance(data, io.BytesIO):
-        return data.getvalue()
-    return data.detach()

@@ -5,7 +5,7 @@ checkpoint's ``.metadata``, and reads a tensor item with ``torch.load`` of those
 the file is a sequence of independent pieces: for each tensor, the archive ``torch.save(tensor)`` writes; for each
 byte item, its bytes. :func:`plan_shard_file` plans every tensor's archive with
 :func:`~lightning_datastates.capture.layout.plan_layout` (no tensor data touched) and places the pieces one after
-the other, each starting at a multiple of the alignment, into one
+the other, the tensors' first and the byte items' after them, each starting at a multiple of the alignment, into one
 :class:`~lightning_datastates.capture.layout.CheckpointLayout`: the snapshot engine then copies and writes it as
 it does a single-file checkpoint, lazily, and the offsets DCP's metadata needs are known before any byte is copied.
 
@@ -53,8 +53,21 @@ class ShardFilePlan:
     extents: tuple[PieceExtent, ...]
 
 
+@dataclass(frozen=True)
+class _TensorRun:
+    """The pieces of a sequence of tensors placed from offset 0, each tensor with one storage (record key = its
+    index): what :func:`plan_shard_file` puts first in a file, the same for every save of the same shards."""
+
+    metadata: tuple[tuple[int, bytes], ...]
+    records: tuple[StorageRecord, ...]
+    checksums: tuple[ChecksumSlot, ...]
+    extents: tuple[PieceExtent, ...]
+    end: int
+
+
 class ArchivePlans:
-    """Archive layouts already planned, by tensor signature: the saves of one run repeat the same shards.
+    """Archive layouts already planned, by tensor signature: the saves of one run repeat the same shards. Also the
+    placement of a whole sequence of such tensors in a file, by the sequence of their signatures.
 
     ``torch.save`` of a plain tensor pickles only its dtype, shape, strides, storage offset, its storage's size and
     device, and ``requires_grad``; two tensors equal in all of these get byte-identical archives (but for the payload,
@@ -67,8 +80,10 @@ class ArchivePlans:
         self.alignment = alignment
         self._verified = verified
         self._layouts: dict[tuple[object, ...], CheckpointLayout] = {}
-        #: Plans served from the cache (for tests and diagnostics).
+        self._runs: dict[tuple[object, ...], _TensorRun] = {}
+        #: Plans served from the cache (for tests and diagnostics): archives, and whole runs of tensors.
         self.hits = 0
+        self.run_hits = 0
 
     def plan(self, tensor: torch.Tensor) -> tuple[CheckpointLayout, list[torch.UntypedStorage]]:
         """The layout of ``torch.save(tensor)`` and its storages (see :func:`plan_layout`)."""
@@ -81,6 +96,23 @@ class ArchivePlans:
         if key is not None and len(storages) == 1:
             self._layouts[key] = layout
         return layout, storages
+
+    def run(self, key: tuple[object, ...]) -> _TensorRun | None:
+        """The run planned for tensors of these signatures, if any."""
+        run = self._runs.get(key)
+        if run is not None:
+            self.run_hits += 1
+        return run
+
+    def keep_run(self, key: tuple[object, ...], run: _TensorRun) -> None:
+        """Keep ``run`` for later saves of tensors of these signatures (a run or two differ per fit: a few kept)."""
+        if len(self._runs) >= _RUNS_KEPT:
+            self._runs.clear()
+        self._runs[key] = run
+
+
+#: How many runs of tensors :class:`ArchivePlans` keeps (one per distinct state: model and optimizer, per fit).
+_RUNS_KEPT = 4
 
 
 def _signature(tensor: torch.Tensor) -> tuple[object, ...] | None:
@@ -104,11 +136,13 @@ def _signature(tensor: torch.Tensor) -> tuple[object, ...] | None:
 def plan_shard_file(
     items: Sequence[torch.Tensor | bytes], alignment: int | None = None, plans: ArchivePlans | None = None
 ) -> ShardFilePlan:
-    """Plan the file holding ``items`` in order (a tensor as ``torch.save`` archives it, bytes as they are).
+    """Plan the file holding ``items`` (a tensor as ``torch.save`` archives it, bytes as they are): the tensors in
+    their order, then the byte items in theirs; the extents are given in the order of ``items``.
 
     Every piece starts at a multiple of ``alignment`` (64 without one), and with ``alignment`` every storage's data
     inside an archive does too (so direct I/O needs no bounce buffer). ``plans`` (for the same ``alignment``) keeps
-    the archives planned by earlier saves.
+    the archives planned by earlier saves, and the placement of the tensors: a save whose tensors have the
+    signatures of an earlier save's (a byte item's content may change) reuses it whole.
 
     Raises:
         LayoutUnsupported: torch refused to plan a tensor's archive (see
@@ -118,31 +152,58 @@ def plan_shard_file(
     if plans.alignment != alignment:
         raise ValueError(f"archive plans for alignment {plans.alignment} used with alignment {alignment}")
     piece_alignment = alignment or DEFAULT_PIECE_ALIGNMENT
+    tensors = [item for item in items if isinstance(item, torch.Tensor)]
+    signatures = tuple(_signature(tensor) for tensor in tensors)
+    cacheable = None not in signatures
+    run = plans.run(signatures) if cacheable else None
+    if run is not None:
+        storages = [tensor.untyped_storage() for tensor in tensors]
+    else:
+        run, storages = _plan_tensor_run(tensors, piece_alignment, plans)
+        if cacheable and len(storages) == len(tensors):
+            plans.keep_run(signatures, run)
+    metadata = list(run.metadata)
+    tensor_extents = iter(run.extents)
+    extents: list[PieceExtent] = []
+    position = run.end
+    for item in items:  # the byte items after the tensors, in their order
+        if isinstance(item, torch.Tensor):
+            extents.append(next(tensor_extents))
+            continue
+        start = align_up(position, piece_alignment)
+        if item:
+            metadata.append((start, bytes(item)))
+        if start > position:
+            metadata.append((position, bytes(start - position)))  # zeros between pieces: no one reads them
+        extents.append(PieceExtent(start, len(item)))
+        position = start + len(item)
+    layout = CheckpointLayout(tuple(sorted(metadata)), run.records, position, run.checksums)
+    return ShardFilePlan(layout, storages, tuple(extents))
+
+
+def _plan_tensor_run(
+    tensors: Sequence[torch.Tensor], piece_alignment: int, plans: ArchivePlans
+) -> tuple[_TensorRun, list[torch.UntypedStorage]]:
+    """Place the archives of ``tensors`` one after the other from offset 0; their storages by record key."""
     metadata: list[tuple[int, bytes]] = []
     records: list[StorageRecord] = []
     checksums: list[ChecksumSlot] = []
     storages: list[torch.UntypedStorage] = []
     extents: list[PieceExtent] = []
     position = 0
-    for item in items:
+    for tensor in tensors:
         start = align_up(position, piece_alignment)
-        if isinstance(item, torch.Tensor):
-            layout, item_storages = plans.plan(item)
-            metadata.extend((start + offset, data) for offset, data in layout.metadata)
-            records.extend(StorageRecord(len(storages) + r.key, start + r.offset, r.nbytes) for r in layout.records)
-            checksums.extend(_shifted(slot, start) for slot in layout.checksums)
-            storages.extend(item_storages)
-            length = layout.total_bytes
-        else:
-            if item:
-                metadata.append((start, bytes(item)))
-            length = len(item)
+        layout, tensor_storages = plans.plan(tensor)
+        metadata.extend((start + offset, data) for offset, data in layout.metadata)
+        records.extend(StorageRecord(len(storages) + r.key, start + r.offset, r.nbytes) for r in layout.records)
+        checksums.extend(_shifted(slot, start) for slot in layout.checksums)
+        storages.extend(tensor_storages)
         if start > position:
             metadata.append((position, bytes(start - position)))  # zeros between pieces: no one reads them
-        extents.append(PieceExtent(start, length))
-        position = start + length
-    layout = CheckpointLayout(tuple(sorted(metadata)), tuple(records), position, tuple(checksums))
-    return ShardFilePlan(layout, storages, tuple(extents))
+        extents.append(PieceExtent(start, layout.total_bytes))
+        position = start + layout.total_bytes
+    run = _TensorRun(tuple(metadata), tuple(records), tuple(checksums), tuple(extents), position)
+    return run, storages
 
 
 def _shifted(slot: ChecksumSlot, start: int) -> ChecksumSlot:

@@ -19,9 +19,10 @@ import torch
 from lightning_datastates.capture.layout import VerifiedStructures
 from lightning_datastates.interrupts import sigint_deferred
 from lightning_datastates.sharded.commit import ShardedCommitter, ShardedSave
-from lightning_datastates.sharded.dcp_writer import failed_staging, join_path, stage_shard
+from lightning_datastates.sharded.dcp_writer import join_path
 from lightning_datastates.sharded.layout import ArchivePlans
 from lightning_datastates.sharded.leftovers import mark_pending
+from lightning_datastates.sharded.staging import LocalPlans, failed_staging, stage_shard
 from lightning_datastates.snapshot.engine import LazyPredicate, SnapshotEngine
 from lightning_datastates.snapshot.job import SnapshotStats
 from lightning_datastates.storage.base import StorageWriter
@@ -57,8 +58,9 @@ class ShardedSaver:
     def __init__(self, host: SaverHost, rank: int, group: Any, alignment: int | None) -> None:
         self._host = host
         self.rank = rank
-        # The saves of one run repeat the same shards: their archives are planned once.
+        # The saves of one run repeat the same shards: their archives and DCP's local plan are planned once.
         self._plans = ArchivePlans(alignment, VerifiedStructures())
+        self._local_plans = LocalPlans()
         self._cleaned: set[str] = set()
         self.committer = ShardedCommitter(group, rank, host.engine.wait_path, host.writer_for)
 
@@ -91,7 +93,7 @@ class ShardedSaver:
         stats: SnapshotStats | None = None
         with sigint_deferred():  # Ctrl+C must not split a capture (see interrupts.py)
             try:
-                staged, shard = stage_shard(state, self.rank, self._plans)
+                staged, shard = stage_shard(state, self.rank, self._plans, self._local_plans)
                 if shard is not None:
                     file_path = join_path(path, staged.file_name)
                     # Not served from memory: DCP's reader reads shard files from storage. Blocks kept for loads

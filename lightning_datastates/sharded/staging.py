@@ -1,0 +1,114 @@
+"""The training thread's half of a sharded save: what a rank decides alone, with no collective and no tensor data read.
+
+:func:`stage_shard` makes DCP's local plan of the rank's state (DCP's default planner: the local shards of DTensors,
+plain tensors, pickled objects), resolves each item as DCP's writer would, and plans the rank's file
+(:mod:`~lightning_datastates.sharded.layout`). The committer later plans the checkpoint with DCP from what was staged
+here (:mod:`~lightning_datastates.sharded.dcp_writer`).
+
+The saves of one fit repeat the same state: same keys, same shards. Two caches, one per saver, keep what does not
+change: :class:`~lightning_datastates.sharded.layout.ArchivePlans` (the file's placement of the tensors) and
+:class:`LocalPlans` (DCP's local plan, whose computation for every DTensor shard is most of the staging's cost
+otherwise). Both are keyed by every input their result depends on, never by the object's identity alone.
+
+Not thread-safe: the training thread of one rank only.
+"""
+
+from __future__ import annotations
+
+import io
+import uuid
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlan
+
+from lightning_datastates.sharded.dcp_writer import ShardFileName, StagedShard, item_key, shard_file_name
+from lightning_datastates.sharded.layout import ArchivePlans, ShardFilePlan, plan_shard_file
+
+
+class LocalPlans:
+    """DCP's local plan of the previous save, reused while the state's structure (:func:`_structure`) is the same.
+
+    A DTensor's write item is computed from its key, its global shape, its device mesh and placements, and the
+    properties of its local tensor (dtype, layout, whether it requires grad, pinned memory); a plain tensor's from its
+    key, shape and the same properties; any other object's from its key alone. The structure holds exactly these,
+    and the grad mode (it decides whether DCP's ``to_local()`` requires grad). A state holding anything else (a
+    ``ShardedTensor``, another tensor subclass) is planned every time.
+    """
+
+    def __init__(self) -> None:
+        self._structure: list[tuple[Any, ...]] | None = None
+        self._plan: SavePlan | None = None
+        #: Plans served from the cache (for tests and diagnostics).
+        self.hits = 0
+
+    def plan(self, planner: DefaultSavePlanner) -> SavePlan:
+        """``planner.create_local_plan()`` (the planner is set up), or the same plan kept from the previous save."""
+        structure = _structure(planner.state_dict)
+        if structure is not None and self._plan is not None and structure == self._structure:
+            self.hits += 1
+            # The items are the same; the mapping from flat keys to the state dict's nesting is this save's own.
+            return replace(self._plan, planner_data=planner.mappings if planner.flatten_state_dict else None)
+        plan = planner.create_local_plan()
+        self._structure, self._plan = structure, plan
+        return plan
+
+
+def stage_shard(
+    state: dict[str, Any], rank: int, plans: ArchivePlans, local_plans: LocalPlans | None = None
+) -> tuple[StagedShard, ShardFilePlan | None]:
+    """DCP's local plan of ``state`` for ``rank`` and the plan of the rank's file, None when the rank holds no item
+    (the caller hands the file's plan to the engine).
+
+    Raises:
+        LayoutUnsupported: torch refused to plan a tensor's archive.
+    """
+    planner = DefaultSavePlanner()
+    # DCP's coordinator is rank 0 of the group it plans over; the committer's group spans every rank in order.
+    planner.set_up_planner(state, storage_meta=None, is_coordinator=rank == 0)
+    local = planner.create_local_plan() if local_plans is None else local_plans.plan(planner)
+    name = shard_file_name(rank, uuid.uuid4().hex[:12])
+    plan = replace(local, storage_data=ShardFileName(name))
+    if not plan.items:
+        return StagedShard(plan, name, {}), None
+    payloads = [_payload(planner.resolve_data(item)) for item in plan.items]
+    shard = plan_shard_file(payloads, plans.alignment, plans)
+    extents = {item_key(item.index): extent for item, extent in zip(plan.items, shard.extents, strict=True)}
+    return StagedShard(plan, name, extents), shard
+
+
+def failed_staging(rank: int, error: BaseException) -> StagedShard:
+    """The stand-in for a staging that raised ``error``: it makes the collective planning fail on every rank."""
+    return StagedShard(SavePlan([]), shard_file_name(rank, uuid.uuid4().hex[:12]), {}, error)
+
+
+def _structure(state_dict: dict[str, Any]) -> list[tuple[Any, ...]] | None:
+    """What DCP's local plan of the flat ``state_dict`` depends on (see :class:`LocalPlans`); None if not known."""
+    from torch.distributed.tensor import DTensor
+
+    structure: list[tuple[Any, ...]] = [(torch.is_grad_enabled(),)]
+    for fqn, obj in state_dict.items():
+        if isinstance(obj, DTensor):
+            local = getattr(obj, "_local_tensor", None)  # to_local() without autograd's cost; absent: not cached
+            if type(obj) is not DTensor or not isinstance(local, torch.Tensor):
+                return None
+            key = (fqn, obj.shape, obj.device_mesh, obj.placements, obj.dtype, obj.requires_grad, local.layout)
+            structure.append((*key, local.dtype, local.is_pinned()))
+        elif isinstance(obj, torch.Tensor):
+            if type(obj) not in (torch.Tensor, torch.nn.Parameter):
+                return None
+            structure.append((fqn, obj.shape, obj.dtype, obj.layout, obj.requires_grad, obj.is_pinned()))
+        elif hasattr(obj, "__create_write_items__"):
+            return None
+        else:
+            structure.append((fqn,))
+    return structure
+
+
+def _payload(data: torch.Tensor | io.BytesIO) -> torch.Tensor | bytes:
+    """What goes into the file for one resolved item: the tensor itself (its archive is planned), or the bytes."""
+    if isinstance(data, io.BytesIO):
+        return data.getvalue()
+    return data.detach()
