@@ -14,7 +14,6 @@ import time
 from typing import IO, TYPE_CHECKING, Any, Protocol, cast
 
 import torch
-from fsspec.core import split_protocol
 from lightning.pytorch.plugins.io import CheckpointIO
 
 from lightning_datastates.compat.lightning import CheckpointPath, checkpoint_path_str
@@ -32,7 +31,7 @@ from lightning_datastates.load.reader import load_checkpoint
 from lightning_datastates.sharded.leftovers import clean_sharded_leftovers
 from lightning_datastates.snapshot.engine import LazyPredicate, SnapshotEngine
 from lightning_datastates.snapshot.job import SnapshotStats
-from lightning_datastates.storage import StorageWriter, is_local_path, writer_for
+from lightning_datastates.storage import StorageWriter, writer_for, writer_kind
 from lightning_datastates.storage.base import DEFAULT_STALE_AGE_S
 
 if TYPE_CHECKING:
@@ -368,11 +367,11 @@ class DataStatesIO(CheckpointIO):
 
     def writer_for(self, path: str) -> StorageWriter:
         """The storage writer for ``path``'s protocol, built once per protocol and kept (on the training thread)."""
-        protocol = "" if is_local_path(path) else split_protocol(path)[0] or ""
-        writer = self._writers.get(protocol)
+        kind = writer_kind(path)
+        writer = self._writers.get(kind)
         if writer is None:
             writer = writer_for(path, self.config.storage_options, direct_io=self.config.direct_io)
-            self._writers[protocol] = writer
+            self._writers[kind] = writer
         return writer
 
     # ------------------------------------------------------------------ pickling (ddp_spawn, LightningCLI)

@@ -11,7 +11,26 @@ from lightning_datastates.storage.local import LocalWriter, is_local_path, local
 if TYPE_CHECKING:  # config imports this package (its stale-age default): no import back at run time
     from lightning_datastates.config import DirectIO
 
-__all__ = ["GenericWriter", "LocalWriter", "StorageWriter", "WriteSession", "is_local_path", "local_path", "writer_for"]
+__all__ = [
+    "GenericWriter",
+    "LocalWriter",
+    "StorageWriter",
+    "WriteSession",
+    "is_local_path",
+    "local_path",
+    "writer_for",
+    "writer_kind",
+]
+
+
+def writer_kind(path: str) -> str:
+    """Which writer :func:`writer_for` builds for ``path``: ``""`` for a local path, else its protocol. Paths of one
+    kind share a writer (with the same settings)."""
+    if is_local_path(path):
+        return ""
+    protocol = protocol_of(path)
+    assert protocol is not None  # a path that is not local has a protocol
+    return protocol
 
 
 def writer_for(path: str, storage_options: dict[str, Any] | None = None, direct_io: DirectIO = False) -> StorageWriter:
@@ -23,10 +42,9 @@ def writer_for(path: str, storage_options: dict[str, Any] | None = None, direct_
     Raises:
         ValueError: the protocol is unknown to fsspec, or s3fs is missing (the message names the package to install).
     """
-    if is_local_path(path):
+    protocol = writer_kind(path)
+    if not protocol:
         return LocalWriter(direct_io=direct_io)
-    protocol = protocol_of(path)
-    assert protocol is not None
     if protocol in ("s3", "s3a"):
         from lightning_datastates.storage.s3 import S3Writer  # imports s3fs only when a writer is built
 
