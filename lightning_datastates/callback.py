@@ -5,7 +5,9 @@ change next. This callback waits (a *barrier*) in ``on_before_optimizer_step`` a
 Lightning or other callbacks mutate state (epoch start, validation start, train end; see ``docs/design.md``,
 "Where training waits"), and nowhere else: not at epoch or validation end, where nothing mutates the saved state
 before the next of those points. It raises background write failures on the training thread at the next hook, and
-drains every pending write at the end of fit and on exceptions.
+drains every pending write at the end of fit and on exceptions. It has the host arena made before the first save, as
+soon as its size is known (at train start with a ``host_cache``, else once the first optimizer step has created the
+optimizer's state), on the ranks that save through the plugin.
 
 It is added to every Trainer through the ``lightning.pytorch.callbacks_factory`` entry point, does nothing
 when the Trainer does not use ``DataStatesIO``, keeps no state in checkpoints, and tolerates being passed
@@ -14,14 +16,17 @@ explicitly as well (the first instance to set up drives the plugin, the others s
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+from lightning_datastates.capture.admission import state_request_bytes
 from lightning_datastates.compat.lightning import override_file_exists, restore_file_exists, unwrap_checkpoint_io
 from lightning_datastates.compat.torch import local_shard, storage_identity
 from lightning_datastates.metrics import CheckpointMetrics
@@ -29,7 +34,7 @@ from lightning_datastates.plugin import DataStatesIO
 from lightning_datastates.progress import drain_with_progress
 from lightning_datastates.sharded.lightning import saves_with_dcp
 from lightning_datastates.snapshot.engine import LazyPredicate
-from lightning_datastates.strategies import warn_if_bypassed
+from lightning_datastates.strategies import bypass_reason, warn_if_bypassed
 
 log = logging.getLogger("lightning_datastates")
 
@@ -47,6 +52,7 @@ class DataStatesCallback(Callback):
         self._trainer: Trainer | None = None
         self._armed = False  # inside the training loop, where the barriers below are guaranteed to run
         self._patched: list[ModelCheckpoint] = []
+        self._arena_requested = False  # prepare_arena was called for this fit (or this rank saves nothing)
         self._metrics = CheckpointMetrics()
 
     # ------------------------------------------------------------------ wiring
@@ -105,23 +111,46 @@ class DataStatesCallback(Callback):
         if not trainer.lightning_module.automatic_optimization:
             return None  # manual optimization may step an optimizer that fires no hook
         # Sharded parameters and optimizer state are DTensors: their local shards are what a save copies.
-        safe = {storage_identity(local_shard(p).untyped_storage()) for p in trainer.lightning_module.parameters()}
-        for optimizer in trainer.optimizers:
-            for state in optimizer.state.values():
-                for value in state.values():
-                    if isinstance(value, torch.Tensor):
-                        safe.add(storage_identity(local_shard(value).untyped_storage()))
+        tensors = itertools.chain(trainer.lightning_module.parameters(), optimizer_state_tensors(trainer))
+        safe = {storage_identity(local_shard(tensor).untyped_storage()) for tensor in tensors}
         return lambda storage: storage_identity(storage) in safe
+
+    def _prepare_arena(self, trainer: Trainer) -> None:
+        """Once per fit, have the plugin make its host arena now, sized from the training state, on a rank that
+        saves through it: the arena's page-locking (CUDA hosts) then runs during training, not during the first
+        checkpoint's copy. Where the estimate falls short (another callback saves large tensors), the first save
+        makes the arena again, as without this."""
+        plugin = self._plugin
+        if plugin is None or self._arena_requested:
+            return
+        self._arena_requested = True
+        if bypass_reason(trainer.strategy) is not None or not (plugin.saves_sharded or trainer.is_global_zero):
+            return  # this rank's saves never reach the plugin
+        module = trainer.lightning_module
+        state = itertools.chain(module.parameters(), module.buffers(), optimizer_state_tensors(trainer))
+        # A rank saving shards copies the local parts (a single file from DTensors asks more: made again then).
+        plugin.prepare_arena(state_request_bytes(local_shard(tensor) for tensor in state))
 
     # ------------------------------------------------------------------ barriers
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Arm lazy copies: from here on the barriers below run before any optimizer step."""
         self._check()
         self._armed = self._plugin is not None
+        self._arena_requested = False
+        if self._plugin is not None and self._plugin.config.host_cache is not None:
+            self._prepare_arena(trainer)  # its size is the user's: known now
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         """No wait here (parameters do not change in forward); report a background failure, if any."""
         self._check()
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """After the first optimizer step (the optimizers' state exists now), have the host arena made; this runs
+        before ModelCheckpoint's save of the same batch (this callback runs first)."""
+        if trainer.global_step >= 1:
+            self._prepare_arena(trainer)
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         """The main barrier: the optimizer is about to update the state being copied."""
@@ -189,6 +218,15 @@ class DataStatesCallback(Callback):
         """
         override_file_exists(checkpoint_callback, plugin.counts_as_existing)
         self._patched.append(checkpoint_callback)
+
+
+def optimizer_state_tensors(trainer: Trainer) -> Iterator[torch.Tensor]:
+    """Every tensor of the trainer's optimizers' state (momentum, variance, step counters), as stored."""
+    for optimizer in trainer.optimizers:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    yield value
 
 
 def find_plugin(trainer: Trainer) -> DataStatesIO | None:

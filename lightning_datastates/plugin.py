@@ -275,6 +275,17 @@ class DataStatesIO(CheckpointIO):
         """What recent checkpoints cost (most recent last)."""
         return [] if self._engine is None else list(self._engine.history)
 
+    def prepare_arena(self, request_bytes: int) -> None:
+        """Make the host arena before the first save, sized for checkpoints asking about ``request_bytes`` (see
+        :meth:`SnapshotEngine.prepare_arena <lightning_datastates.snapshot.engine.SnapshotEngine.prepare_arena>`).
+        Training thread, on a rank that saves through this plugin."""
+        self.engine.prepare_arena(request_bytes)
+
+    @property
+    def saves_sharded(self) -> bool:
+        """Whether every rank saves its own shards through this plugin now (sharded FSDP, ModelParallel)."""
+        return self._sharded is not None
+
     def barrier(self) -> float:
         """Wait until no pending snapshot reads training state; return the seconds waited."""
         return 0.0 if self._engine is None else self._engine.wait_copies()

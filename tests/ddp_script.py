@@ -10,7 +10,7 @@
   saved after ``Strategy.teardown`` (Lightning's bare state dict in a temporary file); it saves them to
   ``OUT/parent-weights.pt``.
 
-Writes are slowed (every range waits 50 ms) so flushes are still running when fit ends. ``BROKEN_DRAIN=1`` turns off
+Writes are slowed (every range waits 20 ms) so flushes are still running when fit ends. ``BROKEN_DRAIN=1`` turns off
 the plugin's draining and waiting (fit end, teardown, saves outside the training loop) and makes its threads
 daemons, to show that the tests catch a rank reading an unfinished file and a worker exiting before its last save.
 Both are set up when this module is imported, so spawned workers (which import it as ``__mp_main__``) get them too.
@@ -39,7 +39,7 @@ from tests.script_support import (
     write_json,
 )
 
-WRITE_DELAY_S = 0.05
+WRITE_DELAY_S = 0.02
 #: The aggregates each fit computed on this rank (what the callback logs at the end of training, logger or not).
 FIT_TOTALS: list[dict[str, float]] = []
 

@@ -9,16 +9,22 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import warnings
 
+import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
 
 from lightning_datastates import DataStatesIO
+from lightning_datastates.alignment import PAGE_ALIGNMENT_BYTES
+from lightning_datastates.capture.admission import PREPARED_TOLERANCE, PreparedArena, state_request_bytes
+from lightning_datastates.config import DataStatesConfig
 from lightning_datastates.copy import pinning, sizing
 from lightning_datastates.copy.arena import HostArena
 from lightning_datastates.snapshot.backpressure import BackPressureWarning, describe_back_pressure
 from lightning_datastates.snapshot.job import JobState, SnapshotStats
-from tests.conftest import assert_bit_equal, in_background
+from tests.conftest import BNModel, assert_bit_equal, every_step_checkpoint, in_background, make_loader, make_trainer
 
 MiB = 2**20
 GiB = 2**30
@@ -101,6 +107,103 @@ def test_training_never_waits_for_pinning(tmp_path, monkeypatch) -> None:
     assert_bit_equal(torch.load(path, weights_only=True), expected)
     assert threading.main_thread().name not in pinner.threads and not pinner.timed_out
     plugin.teardown()
+
+
+class RecordingPinner(BlockingPinner):
+    """Pins nothing at once; records each range it was asked to pin."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pinned: list[tuple[int, int]] = []
+
+    def pin(self, address: int, nbytes: int) -> None:
+        self.threads.append(threading.current_thread().name)
+        self.pinned.append((address, nbytes))
+        self.entered.set()
+
+
+class FirstSaveProbe(DataStatesIO):
+    """Records, at its first save call, the arena the engine holds and whether its pinning had begun."""
+
+    probed: tuple[HostArena | None, bool] | None = None
+    pinner: RecordingPinner
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        if self.probed is None:
+            self.probed = (self.engine.arena, self.pinner.entered.is_set())
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+@pytest.mark.parametrize("host_cache", [None, "64MiB"])
+def test_arena_is_made_and_pinned_before_the_first_save(tmp_path, monkeypatch, host_cache) -> None:
+    """The arena is made once the state's size is known (the first optimizer step; at train start with a host
+    cache), so that its pinning runs during training; the first save copies into that same arena."""
+    pinner = RecordingPinner()
+    monkeypatch.setattr(pinning, "default_pinner", lambda: pinner)
+    plugin = FirstSaveProbe(host_cache=host_cache)
+    plugin.pinner = pinner
+    checkpoints = every_step_checkpoint(str(tmp_path / "ckpt"), every_n_train_steps=3, save_last=False)
+    made_at_first_batch: list[bool] = []
+
+    class ArenaAtFirstBatch(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if batch_idx == 0:
+                made_at_first_batch.append(plugin.engine.arena is not None)
+
+    trainer = make_trainer(str(tmp_path), plugin, [checkpoints, ArenaAtFirstBatch()], max_epochs=1)
+    trainer.fit(BNModel(), make_loader())
+    assert plugin.probed is not None
+    arena_at_first_save, pinning_begun = plugin.probed
+    assert arena_at_first_save is not None and pinning_begun  # made, and its pinning under way, before the save
+    assert plugin.engine.arena is arena_at_first_save  # ... and the first checkpoint took it
+    assert pinner.pinned == [(arena_at_first_save.buffer.data_ptr(), arena_at_first_save.size_bytes)]
+    assert threading.main_thread().name not in pinner.threads
+    assert made_at_first_batch == [host_cache is not None]  # a host cache's size is known at train start
+    if host_cache is None:  # the default rule, applied to the state: two of its checkpoints at least
+        assert arena_at_first_save.size_bytes >= sizing.MIN_ARENA_BYTES
+    assert len(os.listdir(tmp_path / "ckpt")) == 2 and not plugin.engine.unreported_failures()
+
+
+def test_a_prepared_arena_too_small_for_the_first_checkpoint_is_made_again(tmp_path, monkeypatch) -> None:
+    """An estimate that falls short (another callback saves large tensors) costs a new arena at the first save, as
+    without the preparation; the old one is let go off the training thread, even while its pinning still runs."""
+    pinner = BlockingPinner()
+    monkeypatch.setattr(pinning, "default_pinner", lambda: pinner)
+    plugin = in_background(DataStatesIO())
+    plugin.prepare_arena(MiB)  # the default rule's minimum: 64 MiB
+    prepared = plugin.engine.arena
+    assert prepared is not None and pinner.entered.wait(10)
+    checkpoint = {"w": torch.randn(12 * MiB)}  # 48 MiB: two of them do not fit
+    path = str(tmp_path / "a.ckpt")
+    plugin.save_checkpoint(checkpoint, path)  # would block if the old arena's unpinning waited here
+    plugin.drain()
+    arena = plugin.engine.arena
+    assert arena is not None and arena is not prepared and arena.size_bytes >= 2 * 48 * MiB
+    assert not pinner.release.is_set() and pinner.unpinned == []  # all of the above ran while pinning held
+    pinner.release.set()
+    deadline = time.monotonic() + 10
+    while prepared.buffer.data_ptr() not in pinner.unpinned and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert prepared.buffer.data_ptr() in pinner.unpinned  # the old arena was unpinned, then dropped
+    assert_bit_equal(torch.load(path, weights_only=True), checkpoint)
+    plugin.teardown()
+
+
+def test_a_prepared_arena_serves_a_first_checkpoint_up_to_the_tolerance() -> None:
+    arena = HostArena(MiB)
+    prepared = PreparedArena(arena, request_bytes=16 * MiB)
+    default, sized = DataStatesConfig(), DataStatesConfig(host_cache="1MiB")
+    assert prepared.serves(16 * MiB, default) and prepared.serves(17 * MiB, default)  # within 1/16
+    assert not prepared.serves(int(16 * MiB * (1 + PREPARED_TOLERANCE)) + 1, default)
+    assert prepared.serves(64 * MiB, sized)  # a user's host_cache is the size whatever the checkpoint
+
+
+def test_state_request_counts_each_storage_once() -> None:
+    weight = torch.zeros(MiB // 4)  # 1 MiB
+    tied = weight.view(-1)  # the same storage (tied embeddings)
+    other = torch.zeros(MiB // 4, dtype=torch.float64)  # 2 MiB
+    padding = 3 * 2 * PAGE_ALIGNMENT_BYTES  # two storages, as arena_request_bytes pads a planned checkpoint
+    assert state_request_bytes([weight, tied, other]) == 3 * MiB + padding
 
 
 def test_failed_pinning_leaves_a_pageable_arena(caplog) -> None:

@@ -113,3 +113,26 @@ def test_no_extra_gpu_memory(tmp_path):
     plugin.drain()
     assert torch.cuda.max_memory_allocated() == before  # no device-side staging copy
     plugin.teardown()
+
+
+def test_trainer_on_gpu_copies_the_first_checkpoint_into_an_arena_pinned_beforehand(tmp_path):
+    """The arena is made after the first optimizer step and page-locked (cudaHostRegister) in the background, so the
+    first checkpoint is copied into pinned memory, the same arena as every later one."""
+    at_first_save: list[bool] = []
+
+    class Probe(RecordingDataStatesIO):
+        def save_checkpoint(self, checkpoint, path, storage_options=None):
+            if not at_first_save:
+                arena = self.engine.arena
+                # The probe waits (the plugin never does): pinning a small arena takes milliseconds.
+                at_first_save.append(arena is not None and arena.wait_pinned(30) and arena.buffer.is_pinned())
+                self.first_arena = arena
+            super().save_checkpoint(checkpoint, path, storage_options)
+
+    plugin = Probe(chunk_size="4MiB")
+    checkpoints = every_step_checkpoint(str(tmp_path / "ckpt"), every_n_train_steps=4, save_last=False)
+    trainer = make_trainer(str(tmp_path), plugin, [checkpoints], accelerator="gpu", devices=1, deterministic=False)
+    trainer.fit(BNModel(width=2048), make_loader(n=256, batch_size=32))
+    assert at_first_save == [True] and plugin.engine.arena is plugin.first_arena
+    for path, expected in plugin.recorded.items():
+        assert_bit_equal(torch.load(path, map_location="cpu", weights_only=False), expected, os.path.basename(path))

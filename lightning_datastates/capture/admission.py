@@ -1,8 +1,13 @@
 """Admission of a capture into the host arena: how much arena the first checkpoint asks for, and whether a save
 starts now, waits, or is skipped (``on_arena_full``).
 
-Call order, on the training thread, inside capture (:mod:`~lightning_datastates.snapshot.engine`):
-  1) :func:`open_arena` on the first capture, sized by :func:`arena_request_bytes` of its checkpoint;
+Call order, on the training thread:
+  0) optionally, before any capture (after the first optimizer step, when the state's size is known):
+     :func:`prepare_arena`, sized by :func:`state_request_bytes` of the training state, so that the arena is made
+     and page-locked (on CUDA hosts, off the training thread) before the first checkpoint needs it;
+then inside capture (:mod:`~lightning_datastates.snapshot.engine`):
+  1) :func:`open_arena` on the first capture, sized by :func:`arena_request_bytes` of its checkpoint; it takes the
+     prepared arena where that one was sized for at least this checkpoint (:meth:`PreparedArena.serves`);
   2) :func:`admit` for every capture: None to go on, or why the save is skipped;
   3) :func:`skipped_stats` for a skipped save (nothing is written).
 The decisions themselves (:func:`pending_limit`, :func:`arena_shortfall`) are pure functions.
@@ -12,11 +17,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+import torch
 
 from lightning_datastates.alignment import PAGE_ALIGNMENT_BYTES
 from lightning_datastates.capture.layout import CheckpointLayout
+from lightning_datastates.compat.torch import storage_identity
 from lightning_datastates.config import DataStatesConfig
 from lightning_datastates.copy import pinning
 from lightning_datastates.copy.arena import HostArena
@@ -37,15 +45,68 @@ def arena_request_bytes(layout: CheckpointLayout) -> int:
     return layout.payload_bytes + (len(layout.records) + 1) * 2 * PAGE_ALIGNMENT_BYTES
 
 
-def open_arena(config: DataStatesConfig, request_bytes: int) -> tuple[HostArena, ResidentCache | None]:
+#: A prepared arena serves a first checkpoint up to this fraction larger than the state it was sized for (other
+#: callbacks' small tensors, a grad scaler's state); beyond, it would hold noticeably fewer checkpoints than the rule
+#: asks, so it is replaced.
+PREPARED_TOLERANCE = 1 / 16
+
+
+def state_request_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Arena bytes to ask for a checkpoint of ``tensors`` (the model's parameters and buffers and the optimizers'
+    state), before any checkpoint is planned: their distinct storages' bytes, padded as :func:`arena_request_bytes`
+    pads a planned one. An estimate: a checkpoint may hold more (another callback's tensors)."""
+    storages = {storage_identity(s): s.nbytes() for s in (t.untyped_storage() for t in tensors)}
+    return sum(storages.values()) + (len(storages) + 1) * 2 * PAGE_ALIGNMENT_BYTES
+
+
+@dataclass(frozen=True)
+class PreparedArena:
+    """An arena made before the first capture (:func:`prepare_arena`) and the request it was sized for."""
+
+    arena: HostArena
+    request_bytes: int
+
+    def serves(self, request_bytes: int, config: DataStatesConfig) -> bool:
+        """Whether the first checkpoint, asking ``request_bytes``, is served by this arena: always with a
+        ``host_cache`` (the size is the user's), else when the estimate fell short by at most
+        :data:`PREPARED_TOLERANCE`."""
+        return config.host_cache is not None or request_bytes <= self.request_bytes * (1 + PREPARED_TOLERANCE)
+
+
+def prepare_arena(config: DataStatesConfig, request_bytes: int) -> PreparedArena:
+    """An arena for checkpoints asking about ``request_bytes``, made now, before the first capture: its pinning
+    (CUDA hosts) then runs while training does, and ends before the first checkpoint is copied."""
+    return PreparedArena(_new_arena(config, request_bytes), request_bytes)
+
+
+def open_arena(
+    config: DataStatesConfig, request_bytes: int, prepared: PreparedArena | None = None
+) -> tuple[HostArena, ResidentCache | None]:
     """The host arena for ``request_bytes`` as ``config`` sizes it, and, with ``serve_from_memory``, the resident
-    cache over it."""
+    cache over it. The ``prepared`` arena where it serves this checkpoint; otherwise it is discarded (its unpinning
+    runs on a thread of its own) and a new one made."""
+    if prepared is not None and prepared.serves(request_bytes, config):
+        arena = prepared.arena
+    else:
+        if prepared is not None:
+            log.info(
+                "lightning_datastates: the first checkpoint asks %.1f MiB of host arena, more than the %.1f MiB "
+                "estimated from the training state; the arena is made again for it",
+                request_bytes / 2**20,
+                prepared.request_bytes / 2**20,
+            )
+            prepared.arena.discard()
+        arena = _new_arena(config, request_bytes)
+    resident = ResidentCache(arena) if config.serve_from_memory else None
+    return arena, resident
+
+
+def _new_arena(config: DataStatesConfig, request_bytes: int) -> HostArena:
     # Page-locked memory lets the CUDA copy engine write straight into the arena, asynchronously; it is locked on a
     # thread of its own (copy/pinning.py), never on the training thread.
     arena = HostArena(config.arena_bytes_for(request_bytes), pinner=pinning.default_pinner())
-    resident = ResidentCache(arena) if config.serve_from_memory else None
     log.info("lightning_datastates: host arena of %.1f MiB allocated", arena.size_bytes / 2**20)
-    return arena, resident
+    return arena
 
 
 def pending_limit(writer_threads: int) -> int:

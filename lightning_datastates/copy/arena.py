@@ -77,9 +77,10 @@ class HostArena:
             self.buffer = raw[shift : shift + self.size_bytes]
             pinner = None  # no pinning of memory a forked child would copy
         self._pinning = None if pinner is None else ArenaPinning(self.buffer.data_ptr(), self.size_bytes, pinner)
+        self._unpin: weakref.finalize[[], HostArena] | None = None
         if self._pinning is not None:
             # Unpin before the buffer's memory is freed: finalizers run before the arena's attributes are cleared.
-            weakref.finalize(self, self._pinning.release)
+            self._unpin = weakref.finalize(self, self._pinning.release)
         self._free: list[tuple[int, int]] = [(0, self.size_bytes)]  # sorted, disjoint (offset, size) ranges
         self._used_bytes = 0
         self._peak_used_bytes = 0
@@ -165,6 +166,19 @@ class HostArena:
             self._closed = True
             self._cond.notify_all()
 
+    def discard(self) -> None:
+        """Close the arena and let its memory go without waiting on this thread for a pinning still in progress: a
+        thread of its own (``datastates-arena-release``) waits for it, unpins, and only then drops the buffer. For an
+        arena nothing was ever allocated from; use it no more."""
+        self.close()
+        if self._unpin is None or not self._unpin.alive:
+            return
+        # The thread holds the buffer, so that its memory outlives the unpinning whenever the arena itself goes.
+        release = threading.Thread(
+            target=_unpin_then_drop, args=(self._unpin, self.buffer), name="datastates-arena-release", daemon=True
+        )
+        release.start()
+
     def _take(self, size: int) -> int | None:
         for index, (offset, free_size) in enumerate(self._free):
             if free_size >= size:
@@ -214,6 +228,11 @@ class HostArena:
         """Most bytes ever reserved at once."""
         with self._cond:
             return self._peak_used_bytes
+
+
+def _unpin_then_drop(unpin: Callable[[], object], buffer: torch.Tensor) -> None:
+    """Body of :meth:`HostArena.discard`'s thread: ``buffer`` is released when this returns, after ``unpin``."""
+    unpin()
 
 
 def address_view(address: int, nbytes: int) -> memoryview:

@@ -40,7 +40,14 @@ from typing import Any
 
 import torch
 
-from lightning_datastates.capture.admission import admit, arena_request_bytes, open_arena, skipped_stats
+from lightning_datastates.capture.admission import (
+    PreparedArena,
+    admit,
+    arena_request_bytes,
+    open_arena,
+    prepare_arena,
+    skipped_stats,
+)
 from lightning_datastates.capture.chunks import plan_chunks
 from lightning_datastates.capture.layout import CheckpointLayout
 from lightning_datastates.capture.planning import LayoutPlanner, plan_lazy_copy
@@ -96,13 +103,16 @@ class SnapshotEngine:
         # The copier thread waits on it for write-through chunks (write/through.py) and new captures.
         self._copier_wake = threading.Condition()
         self._data_path: _DataPath | None = None  # set up by the first capture
+        self._prepared: PreparedArena | None = None  # an arena made before the first capture, for it
         self._layouts = LayoutPlanner(config.storage_alignment)
         self._warned_back_pressure = False
 
     @property
     def arena(self) -> HostArena | None:
-        """The host arena (None until the first capture)."""
-        return None if self._data_path is None else self._data_path.arena
+        """The host arena (None until :meth:`prepare_arena` or the first capture)."""
+        if self._data_path is None:
+            return None if self._prepared is None else self._prepared.arena
+        return self._data_path.arena
 
     @property
     def resident(self) -> ResidentCache | None:
@@ -110,6 +120,13 @@ class SnapshotEngine:
         return None if self._data_path is None else self._data_path.resident
 
     # ------------------------------------------------------------------ capture
+    def prepare_arena(self, request_bytes: int) -> None:
+        """Make the host arena now, for checkpoints asking about ``request_bytes``, so that its page-locking (CUDA
+        hosts, on a thread of its own) is done before the first capture; the first capture takes it, or replaces it
+        if it asks for more (capture/admission.py). Once: nothing to do after the first call or capture."""
+        if self._data_path is None and self._prepared is None:
+            self._prepared = prepare_arena(self.config, request_bytes)
+
     def capture(
         self,
         checkpoint: dict[str, Any],
@@ -225,7 +242,8 @@ class SnapshotEngine:
     def _open_data_path(self, request_bytes: int) -> _DataPath:
         """The arena and the loops over it; the first call sets them up, sized for ``request_bytes``."""
         if self._data_path is None:
-            arena, resident = open_arena(self.config, request_bytes)
+            arena, resident = open_arena(self.config, request_bytes, self._prepared)
+            self._prepared = None
             retire = self._threads.retire_if_idle
             writers = WriteLoop(self._write_queue, arena, resident, self._sharing, self._pending.finish, retire)
             copier = CopyLoop(arena, self._copiers, self._sharing, self._write_queue, self._copier_wake, retire)
