@@ -7,22 +7,27 @@ compare the block with the sources and every CRC with zlib's, over piece sizes o
 from __future__ import annotations
 
 import random
+import threading
+import time
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
+from lightning_datastates import DataStatesIO
 from lightning_datastates.capture.chunks import Piece, plan_chunks
 from lightning_datastates.capture.layout import StorageRecord
 from lightning_datastates.copy.copier import (
     COPY_WINDOW_BYTES,
     GIL_HELD_COPY_BYTES,
+    Copied,
     CopierSet,
     CpuCopier,
     copy_host_bytes,
 )
-from tests.conftest import storage_bytes
+from tests.conftest import assert_bit_equal, in_background, storage_bytes
 
 SIZES = [0, 1, 63, 4096, GIL_HELD_COPY_BYTES, GIL_HELD_COPY_BYTES + 1, COPY_WINDOW_BYTES, 3 * COPY_WINDOW_BYTES + 77]
 
@@ -72,9 +77,9 @@ class _RecordingCopier:
     def mark(self) -> object:
         return "mark"
 
-    def copy_pieces(self, block: torch.Tensor, pieces: Any, sources: Any, mark: object) -> dict[int, Any]:
+    def start_pieces(self, block: torch.Tensor, pieces: Any, sources: Any, mark: object) -> Copied:
         self.calls.append((list(pieces), mark))
-        return {}
+        return Copied({})
 
 
 def test_copier_set_hands_each_device_its_own_pieces_and_mark() -> None:
@@ -83,8 +88,116 @@ def test_copier_set_hands_each_device_its_own_pieces_and_mark() -> None:
     copiers, other = CopierSet(), _RecordingCopier()
     copiers._copiers[torch.device("meta")] = other  # type: ignore[assignment]
     block = torch.zeros(8192, dtype=torch.uint8)
-    crcs = copiers.copy_chunk(block, pieces, storages, {torch.device("meta"): "meta mark", torch.device("cpu"): None})
+    marks = {torch.device("meta"): "meta mark", torch.device("cpu"): None}
+    crcs = copiers.start_chunk(block, pieces, storages, marks).wait()
     assert other.calls == [([pieces[1]], "meta mark")]
     assert block[:3000].numpy().tobytes() == _raw(storages[0], 1000, 3000)
     assert block[4096:4196].numpy().tobytes() == _raw(storages[2])
     assert crcs == {0: (3000, zlib.crc32(_raw(storages[0], 1000, 3000))), 4096: (100, zlib.crc32(_raw(storages[2])))}
+
+
+# ------------------------------------------------------------------------------------------------ chunks in flight
+class DeferredCopier:
+    """Stands in for a device copier whose copies end later (a DMA engine): ``start_pieces`` returns after 2 ms, and
+    the bytes are read from the sources and land in the block only when the copy ends: at ``wait``, or when the test's
+    "copy engine" (``advance``) gets to it. Records how many chunks were in flight at once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queued: list[_DeferredCopy] = []
+        self.most_in_flight = 0
+
+    def mark(self) -> object:
+        return None
+
+    def start_pieces(self, block: torch.Tensor, pieces: Any, sources: Any, mark: object) -> _DeferredCopy:
+        time.sleep(0.002)  # issuing copies takes a while, the GIL released: training goes on meanwhile
+        copy = _DeferredCopy(self, block, list(pieces), list(sources))
+        with self._lock:
+            self._queued.append(copy)
+            self.most_in_flight = max(self.most_in_flight, sum(not c.done for c in self._queued))
+        return copy
+
+    def advance(self) -> None:
+        """End the oldest copy still queued, as a stream would (in order)."""
+        with self._lock:
+            pending = [c for c in self._queued if not c.done]
+        if pending:
+            pending[0].wait()
+
+
+class _DeferredCopy:
+    def __init__(self, copier: DeferredCopier, block: torch.Tensor, pieces: list[Piece], sources: list[Any]) -> None:
+        self.copier, self.block, self.pieces, self.sources, self.done = copier, block, pieces, sources, False
+
+    def ready(self) -> bool:
+        return self.done
+
+    def wait(self) -> dict[int, Any]:
+        with self.copier._lock:
+            if not self.done:
+                CpuCopier().copy_pieces(self.block, self.pieces, self.sources, None)  # read the sources now
+                self.done = True
+        return {}  # no CRC-32s, as from a device: the writers compute them
+
+
+@pytest.fixture
+def deferred_copies() -> Iterator[DeferredCopier]:
+    """A :class:`DeferredCopier` and a thread that ends its copies one by one, every 20 ms, until the test
+    ends (a wait ends a copy at once too)."""
+    copier, stop = DeferredCopier(), threading.Event()
+
+    def copy_engine() -> None:
+        while not stop.wait(0.02):
+            copier.advance()
+
+    engine = threading.Thread(target=copy_engine, name="test-copy-engine")
+    engine.start()
+    yield copier
+    stop.set()
+
+
+def _with_deferred_copies(plugin: DataStatesIO, copier: DeferredCopier) -> DataStatesIO:
+    plugin.engine._copiers._copiers[torch.device("cpu")] = copier  # type: ignore[assignment]
+    return plugin
+
+
+def test_chunks_in_flight_reach_the_file_as_they_were_at_the_save_call(tmp_path, deferred_copies) -> None:
+    """Many chunks are started before the first ends; each is written only once its copy ended, the save call
+    returns only once the eager chunks' copies ended, and the barrier only once every copy ended: the files equal
+    the state at the save call although training changes it right after the save call (eager tensors) and right
+    after the barrier (the rest)."""
+    plugin = _with_deferred_copies(in_background(DataStatesIO(chunk_size="64KiB"), lazy=True), deferred_copies)
+    expected = []
+    state = {"big": torch.randn(2**20 // 4), "small": torch.randn(100), "more": torch.randn(3 * 2**16)}
+    for round_ in range(3):
+        path = str(tmp_path / f"r{round_}.ckpt")
+        expected.append({k: v.clone() for k, v in state.items()})
+        plugin.save_checkpoint(state, path)
+        state["small"].add_(1.0)  # eager (at most eager_copy_size): may change once the save call returned
+        plugin.barrier()
+        for tensor in state.values():
+            tensor.add_(1.0)  # the optimizer step
+    plugin.drain()
+    for round_ in range(3):
+        assert_bit_equal(torch.load(tmp_path / f"r{round_}.ckpt", weights_only=True), expected[round_])
+    assert deferred_copies.most_in_flight > 4  # the copier did keep several chunks in flight
+    plugin.teardown()
+
+
+def test_chunks_in_flight_with_a_full_arena_and_stalled_storage(tmp_path, deferred_copies, gated_writer) -> None:
+    """Chunks in flight hold arena space: when the arena is full while storage stalls, the copier hands them to the
+    writers before it waits for space, and every file still equals its state."""
+    plugin = DataStatesIO(host_cache="1MiB", chunk_size="64KiB")
+    plugin = _with_deferred_copies(in_background(plugin, lazy=True), deferred_copies)
+    gated_writer.gate.clear()
+    threading.Timer(0.3, gated_writer.gate.set).start()  # storage stalls while the arena fills
+    state = {"w": torch.randn(3 * 2**20 // 4)}  # 3 MiB: three times the arena
+    expected = {"w": state["w"].clone()}
+    plugin.save_checkpoint(state, str(tmp_path / "a.ckpt"))
+    plugin.barrier()
+    state["w"].add_(1.0)
+    plugin.drain()
+    assert_bit_equal(torch.load(tmp_path / "a.ckpt", weights_only=True), expected)
+    assert deferred_copies.most_in_flight > 1
+    plugin.teardown()

@@ -2,8 +2,11 @@
 
 Call order, per snapshot:
   1) ``mark()`` on the training thread, at capture: remembers "everything queued on the device so far";
-  2) ``copy_pieces(block, pieces, sources, mark)`` on the copier thread, once per chunk and source device: returns
-     when the block holds the pieces' bytes, with the CRC-32 of each piece where computing it on the way was free.
+  2) ``start_pieces(block, pieces, sources, mark)`` on the copier thread, once per chunk and source device: starts
+     the copies and returns a :class:`CopyInFlight` at once (a device copy) or once the bytes are there (a host copy);
+  3) on the copier thread, ``ready()`` of that handle (never blocks) or ``wait()``: returns when the block holds the
+     pieces' bytes, with the CRC-32 of each piece where computing it on the way was free. Nothing may read the block,
+     and the sources must stay alive and unchanged, until then.
 
 ``CpuCopier`` copies host memory by address, with no tensor made per piece (a checkpoint has hundreds of small
 tensors, and the save call waits for them). Large pieces are copied window by window with ``memmove`` (the GIL is
@@ -13,8 +16,11 @@ checkpoint). Small pieces are copied with the GIL held: releasing and retaking i
 matter of cost only: the sources stay alive and unchanged because the job holds them and the barrier waits for the
 copy, as for every copy).
 ``CudaCopier`` issues ``non_blocking`` copies of all the pieces on its own stream, ordered after the mark, into pinned
-memory, so the DMA engine overlaps the next forward and backward; only the copier thread waits for them, once per
-chunk.
+memory, so the DMA engine overlaps the next forward and backward; only the copier thread waits for them. It returns
+before the copies end, so that the copier thread can queue the next chunks' copies behind them
+(:mod:`~lightning_datastates.copy.loop`): the DMA engine is never idle while the copier thread waits for the GIL,
+which the training thread holds for up to the interpreter's switch interval (5 ms) at a time while it launches
+kernels.
 """
 
 from __future__ import annotations
@@ -38,17 +44,43 @@ GIL_HELD_COPY_BYTES = 64 * 1024
 PieceCrcs = dict[int, tuple[int, int]]
 
 
+class CopyInFlight(Protocol):
+    """Copies started by a copier (copier thread only)."""
+
+    def ready(self) -> bool:
+        """Whether the copies have ended (never blocks)."""
+
+    def wait(self) -> PieceCrcs:
+        """Return once the copies have ended: the CRC-32s computed on the way, by block offset. Raises what the copies
+        raised."""
+
+
+class Copied:
+    """A :class:`CopyInFlight` that had ended when it was returned (host copies)."""
+
+    def __init__(self, crcs: PieceCrcs) -> None:
+        self.crcs = crcs
+
+    def ready(self) -> bool:
+        """Always True."""
+        return True
+
+    def wait(self) -> PieceCrcs:
+        """The CRC-32s computed while copying."""
+        return self.crcs
+
+
 class Copier(Protocol):
     """Copies device bytes to host bytes; see the module docstring for the call order."""
 
     def mark(self) -> Any:
         """Training thread, at capture: a token that orders later copies after work already queued."""
 
-    def copy_pieces(
+    def start_pieces(
         self, block: torch.Tensor, pieces: Sequence[Piece], sources: Sequence[torch.UntypedStorage], mark: Any
-    ) -> PieceCrcs:
-        """Copier thread: copy each piece of ``sources[piece.key]`` into ``block`` (a contiguous ``uint8`` host
-        tensor) at its ``block_offset``, and return when done; the CRC-32s computed on the way, by block offset."""
+    ) -> CopyInFlight:
+        """Copier thread: start copying each piece of ``sources[piece.key]`` into ``block`` (a contiguous ``uint8``
+        host tensor) at its ``block_offset``; the handle tells when they are done. Raises if they could not start."""
 
 
 class CpuCopier:
@@ -57,6 +89,12 @@ class CpuCopier:
     def mark(self) -> Any:
         """Nothing to order: CPU work of the training thread is already done when the save is called."""
         return None
+
+    def start_pieces(
+        self, block: torch.Tensor, pieces: Sequence[Piece], sources: Sequence[torch.UntypedStorage], mark: Any
+    ) -> CopyInFlight:
+        """Copy the pieces now (:meth:`copy_pieces`); the handle returned has ended."""
+        return Copied(self.copy_pieces(block, pieces, sources, mark))
 
     def copy_pieces(
         self, block: torch.Tensor, pieces: Sequence[Piece], sources: Sequence[torch.UntypedStorage], mark: Any
@@ -104,11 +142,12 @@ class CudaCopier:
         event.record(torch.cuda.current_stream(self.device))
         return event
 
-    def copy_pieces(
+    def start_pieces(
         self, block: torch.Tensor, pieces: Sequence[Piece], sources: Sequence[torch.UntypedStorage], mark: Any
-    ) -> PieceCrcs:
-        """Issue the pieces' copies on the copy stream and wait for them here, on the copier thread; no CRC-32s: the
-        bytes arrive by DMA, not through the CPU cache, so the writer threads checksum them."""
+    ) -> CopyInFlight:
+        """Issue the pieces' copies on the copy stream and return; the copier thread waits for them through the
+        handle. No CRC-32s: the bytes arrive by DMA, not through the CPU cache, so the writer threads checksum
+        them."""
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             # Order after the capture point: the state must be read as it was when save_checkpoint ran.
             self.stream.wait_event(mark)
@@ -124,9 +163,41 @@ class CudaCopier:
             done = torch.cuda.Event()
             # Marks the end of this chunk's copies on the copy stream.
             done.record(self.stream)
-        # Block only this thread: the chunk may be written to storage once the DMA finished.
-        done.synchronize()
+        return _CudaCopies(done)
+
+
+class _CudaCopies:
+    """A chunk's copies on a copy stream, up to the event recorded after them."""
+
+    def __init__(self, done: torch.cuda.Event) -> None:
+        self._done = done
+
+    def ready(self) -> bool:
+        """Whether the copy stream has passed the event (a query: never blocks)."""
+        return bool(self._done.query())
+
+    def wait(self) -> PieceCrcs:
+        """Block only this thread (the copier's) until the DMA ended: then the chunk may be written to storage."""
+        self._done.synchronize()
         return {}
+
+
+class ChunkCopy:
+    """A chunk's copies from each of its source devices (one :class:`CopyInFlight` per device)."""
+
+    def __init__(self, parts: list[CopyInFlight]) -> None:
+        self._parts = parts
+
+    def ready(self) -> bool:
+        """Whether every device's copies have ended (never blocks)."""
+        return all(part.ready() for part in self._parts)
+
+    def wait(self) -> PieceCrcs:
+        """Wait for every device's copies; their CRC-32s together."""
+        crcs: PieceCrcs = {}
+        for part in self._parts:
+            crcs.update(part.wait())
+        return crcs
 
 
 class CopierSet:
@@ -147,21 +218,31 @@ class CopierSet:
         """Training thread: one mark per device that holds sources of the snapshot being captured."""
         return {device: self.for_device(device).mark() for device in devices}
 
-    def copy_chunk(
+    def start_chunk(
         self,
         block: torch.Tensor,
         pieces: Sequence[Piece],
         sources: Sequence[torch.UntypedStorage],
         marks: dict[torch.device, Any],
-    ) -> PieceCrcs:
-        """Copy a chunk's pieces into ``block``, each source device's by its own copier (one call per device)."""
+    ) -> ChunkCopy:
+        """Start copying a chunk's pieces into ``block``, each source device's by its own copier (one call per
+        device). If one device's copies cannot start, those already started are waited for before the error is
+        raised: nothing writes into the block afterwards."""
         by_device: dict[torch.device, list[Piece]] = {}
         for piece in pieces:
             by_device.setdefault(sources[piece.key].device, []).append(piece)
-        crcs: PieceCrcs = {}
-        for device, device_pieces in by_device.items():
-            crcs.update(self.for_device(device).copy_pieces(block, device_pieces, sources, marks.get(device)))
-        return crcs
+        parts: list[CopyInFlight] = []
+        try:
+            for device, device_pieces in by_device.items():
+                parts.append(self.for_device(device).start_pieces(block, device_pieces, sources, marks.get(device)))
+        except BaseException:
+            for part in parts:
+                try:
+                    part.wait()
+                except BaseException:  # noqa: BLE001 - the first error is the one raised
+                    pass
+            raise
+        return ChunkCopy(parts)
 
 
 def _byte_range(storage: torch.UntypedStorage, piece: Piece) -> torch.Tensor:

@@ -7,6 +7,14 @@ the last write-through chunk first, copying the eager part of newer captures in 
 writers as a :class:`~lightning_datastates.write.tasks.WriteChunk`. A checkpoint without lazy chunks is finished at
 once; one with lazy chunks waits until the lazy part of the one before it is copied.
 
+Chunks in flight: a device copier returns once a chunk's copies are queued on its stream (copy/copier.py), so the
+copier thread starts the next chunks' copies before the earlier ones end, up to a quarter of the arena, and hands
+each chunk to the writers once its copies ended, oldest first. The copy engine then always has work queued, also
+while the copier thread waits for the GIL. Every started chunk is handed over (or failed) before anything that
+needs its bytes or its sources: before a save call or a barrier is let through, before the copier waits for space
+in the arena (the blocks of started chunks must reach the writers to be freed) or for writers. Host copies end
+before ``start_chunk`` returns: their chunks go to the writers at once, as if copied synchronously.
+
 Thread model: :meth:`CopyLoop.submit` and :meth:`CopyLoop.wake` run on the training thread (capture);
 :meth:`CopyLoop.run` is the body of the copier thread, and everything else runs there. The wake condition is shared
 with the write-through gates: writers notify it when they are done with a chunk, barriers when they close a gate.
@@ -19,16 +27,30 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from lightning_datastates.capture.chunks import Chunk
-from lightning_datastates.copy.arena import HostArena
-from lightning_datastates.copy.copier import CopierSet
+from lightning_datastates.copy.arena import Block, HostArena
+from lightning_datastates.copy.copier import ChunkCopy, CopierSet
 from lightning_datastates.copy.sharing import SharedCopies
 from lightning_datastates.snapshot.job import SnapshotJob
 from lightning_datastates.snapshot.threads import POLL_S
 from lightning_datastates.write.tasks import WriteChunk, WriteMetadata, WriteQueue, WriteThroughChunk
 from lightning_datastates.write.through import WriteThrough
+
+#: Chunks in flight hold at most this fraction of the arena (at least one chunk is always let through).
+IN_FLIGHT_ARENA_FRACTION = 4
+
+
+@dataclass(frozen=True)
+class _StartedChunk:
+    """A chunk whose copies were started into ``block`` and not yet handed to the writers."""
+
+    job: SnapshotJob
+    chunk: Chunk
+    block: Block
+    copy: ChunkCopy
 
 
 class CopyLoop:
@@ -60,6 +82,8 @@ class CopyLoop:
         self._retire_if_idle = retire_if_idle
         self._captured: queue.Queue[SnapshotJob] = queue.Queue()  # in capture order
         self._eager_done: deque[SnapshotJob] = deque()  # eager part copied, lazy part waiting
+        self._started: deque[_StartedChunk] = deque()  # chunks in flight, oldest first
+        self._started_bytes = 0  # arena bytes their blocks reserve
 
     # ------------------------------------------------------------------ training thread
     def submit(self, job: SnapshotJob) -> None:
@@ -130,6 +154,7 @@ class CopyLoop:
     def _wait_copier(self, ready: Callable[[], bool]) -> None:
         """Wait until ``ready()`` (checked with the wake condition held), copying the eager part of new captures
         meanwhile (their save calls wait for it)."""
+        self._retire_all()  # what the copier waits for may be writers waiting for these chunks
         while True:
             self._copy_newer_eager()
             with self._wake:
@@ -148,6 +173,7 @@ class CopyLoop:
             job.fail(exc)
             self._finish_copy(job)
             return False
+        self._retire_all()  # the save call waits for these bytes, not only for their copies to start
         job.eager_copied.set()
         return True
 
@@ -167,6 +193,7 @@ class CopyLoop:
 
     def _finish_copy(self, job: SnapshotJob) -> None:
         """``job``'s sources are read no more: fail followers of chunks it never copied, let barriers through."""
+        self._retire_all()  # every started copy has ended (and its chunk reached the writers) before that
         error = job.error or RuntimeError(f"the copy of {job.path} ended early")
         for follower, cause in self._sharing.abandon(job, error):
             follower.fail(cause)
@@ -175,20 +202,53 @@ class CopyLoop:
         job.release()  # the copy's share of the outstanding work
 
     def _copy_chunk(self, job: SnapshotJob, chunk: Chunk) -> None:
-        """Copy ``chunk`` into a new arena block and queue its write, unless nobody needs its bytes any more."""
+        """Start copying ``chunk`` into a new arena block, unless nobody needs its bytes any more; hand the chunks
+        whose copies ended to the writers (see "Chunks in flight" in the module docstring)."""
         if not self._sharing.must_copy(job, chunk):
             return  # failed or superseded, and no other checkpoint follows it: the bytes would never be committed
         assert job.sources is not None
-        waited_before = self._arena.waited_s  # only this thread allocates: the difference is this chunk's wait
-        block = self._arena.allocate(chunk.block_bytes)  # back-pressure: waits for writers to free space
-        job.stats.arena_wait_s += self._arena.waited_s - waited_before
+        block = self._allocate(job, chunk.block_bytes)
         try:
-            # The CRC-32s where the copier computed them on the way (host sources).
-            crcs = self._copiers.copy_chunk(self._arena.tensor(block), chunk.pieces, job.sources, job.marks)
+            copy = self._copiers.start_chunk(self._arena.tensor(block), chunk.pieces, job.sources, job.marks)
         except BaseException:
             self._arena.free(block)
             raise
+        self._started.append(_StartedChunk(job, chunk, block, copy))
+        self._started_bytes += block.reserved_bytes
+        limit = self._arena.size_bytes // IN_FLIGHT_ARENA_FRACTION
+        while self._started and (self._started[0].copy.ready() or self._started_bytes > limit):
+            self._retire_oldest()
+
+    def _allocate(self, job: SnapshotJob, nbytes: int) -> Block:
+        """An arena block of ``nbytes`` for ``job``'s chunk; a wait for space (back-pressure) counts in its stats."""
+        waited_before = self._arena.waited_s  # only this thread allocates: the difference is this chunk's wait
+        try:
+            if self._started:
+                try:
+                    return self._arena.allocate(nbytes, timeout_s=0)
+                except TimeoutError:
+                    self._retire_all()  # the writers can free nothing of blocks they never got
+            return self._arena.allocate(nbytes)  # back-pressure: waits for writers to free space
+        finally:
+            job.stats.arena_wait_s += self._arena.waited_s - waited_before
+
+    def _retire_oldest(self) -> None:
+        """Wait for the oldest started chunk's copies and queue its write; a failed copy fails its checkpoint."""
+        started = self._started.popleft()
+        self._started_bytes -= started.block.reserved_bytes
+        job, chunk = started.job, started.chunk
+        try:
+            crcs = started.copy.wait()  # the CRC-32s where the copier computed them on the way (host sources)
+        except BaseException as exc:  # noqa: BLE001 - reported on the training thread, never lost
+            self._arena.free(started.block)
+            job.fail(exc)  # its chunks not yet copied are skipped; _finish_copy fails their followers
+            return
         self._sharing.count_copied(sum(piece.nbytes for piece in chunk.pieces))
         job.add_outstanding()
         self._sharing.mark_queued(chunk)  # from here on a writer serves the chunk's followers
-        self._write_queue.put(WriteChunk(job, chunk, block, crcs))
+        self._write_queue.put(WriteChunk(job, chunk, started.block, crcs))
+
+    def _retire_all(self) -> None:
+        """Hand every started chunk to the writers (waiting for their copies), oldest first."""
+        while self._started:
+            self._retire_oldest()
