@@ -6,7 +6,8 @@
 #   2) the CUDA tests (arena page-locked in the background, copy stream ordering, Trainer on GPU, no extra GPU memory);
 #   3) a short measurement: pinned cudaMemcpy rate vs our copier's rate, and blocked time per checkpoint;
 #   4) the side-by-side benchmark on the 368M-llm preset (seq 1024, batch 16, bf16-mixed: ~0.1 s steps, 4.4 GB
-#      checkpoints), all five methods, one round, a checkpoint every 10 steps;
+#      checkpoints), all five methods, one round, a checkpoint every 10 steps; DataStatesIO right after the baseline
+#      and the synchronous save last, so that a timeout cuts the least informative run (each prints its line at once);
 #   5) the sharded benchmark on one GPU (ModelParallelStrategy, FSDP2 over one rank, NCCL): Lightning's synchronous
 #      sharded save, DCP async_save and DataStatesIO side by side.
 # Usage: bash scripts/gpu_check.sh [OUTPUT_DIR]
@@ -21,6 +22,6 @@ timeout 30 python3 -c "from importlib.metadata import entry_points; eps = [e.val
 timeout 100 python3 -m pytest -q -m cuda tests/test_cuda.py 2>&1 | tee "$out/cuda_tests.txt"
 timeout 45 python3 scripts/gpu_bench.py 2>&1 | tee "$out/gpu_bench.txt"
 timeout 130 python3 -m lightning_datastates.benchmark --model 368M-llm --steps 31 --every 10 --rounds 1 \
-    --methods none,torch,async,dcp,datastates --out "$out/benchmark" 2>&1 | tee "$out/benchmark.txt"
+    --methods none,datastates,async,dcp,torch --out "$out/benchmark" 2>&1 | tee "$out/benchmark.txt"
 timeout 60 python3 -m lightning_datastates.benchmark.sharded --world 1 --accelerator gpu --model 125M --steps 18 \
     --every 4 --out "$out/sharded" 2>&1 | tee "$out/sharded.txt"
