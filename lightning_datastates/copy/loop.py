@@ -39,8 +39,9 @@ from lightning_datastates.snapshot.threads import POLL_S
 from lightning_datastates.write.tasks import WriteChunk, WriteMetadata, WriteQueue, WriteThroughChunk
 from lightning_datastates.write.through import WriteThrough
 
-#: Chunks in flight hold at most this fraction of the arena (at least one chunk is always let through).
-IN_FLIGHT_ARENA_FRACTION = 4
+#: Chunks in flight hold at most this fraction of the arena (one chunk is always let through): enough to keep the
+#: copy engine busy across several GIL waits, little enough that writers always have the rest to work with.
+IN_FLIGHT_ARENA_FRACTION = 0.25
 
 
 @dataclass(frozen=True)
@@ -215,7 +216,7 @@ class CopyLoop:
             raise
         self._started.append(_StartedChunk(job, chunk, block, copy))
         self._started_bytes += block.reserved_bytes
-        limit = self._arena.size_bytes // IN_FLIGHT_ARENA_FRACTION
+        limit = int(self._arena.size_bytes * IN_FLIGHT_ARENA_FRACTION)
         while self._started and (self._started[0].copy.ready() or self._started_bytes > limit):
             self._retire_oldest()
 
