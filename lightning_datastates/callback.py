@@ -28,13 +28,13 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_datastates.capture.admission import state_request_bytes
 from lightning_datastates.compat.lightning import override_file_exists, restore_file_exists, unwrap_checkpoint_io
-from lightning_datastates.compat.torch import local_shard, storage_identity
+from lightning_datastates.compat.torch import local_shard, persistent_buffers, storage_identity
 from lightning_datastates.metrics import CheckpointMetrics
 from lightning_datastates.plugin import DataStatesIO
 from lightning_datastates.progress import drain_with_progress
 from lightning_datastates.sharded.lightning import saves_with_dcp
 from lightning_datastates.snapshot.engine import LazyPredicate
-from lightning_datastates.strategies import bypass_reason, warn_if_bypassed
+from lightning_datastates.strategies import bypass_reason, gathers_full_state, warn_if_bypassed
 
 log = logging.getLogger("lightning_datastates")
 
@@ -124,12 +124,20 @@ class DataStatesCallback(Callback):
         if plugin is None or self._arena_requested:
             return
         self._arena_requested = True
-        if bypass_reason(trainer.strategy) is not None or not (plugin.saves_sharded or trainer.is_global_zero):
-            return  # this rank's saves never reach the plugin
-        module = trainer.lightning_module
-        state = itertools.chain(module.parameters(), module.buffers(), optimizer_state_tensors(trainer))
-        # A rank saving shards copies the local parts (a single file from DTensors asks more: made again then).
-        plugin.prepare_arena(state_request_bytes(local_shard(tensor) for tensor in state))
+        strategy = trainer.strategy
+        if bypass_reason(strategy) is not None or not trainer.checkpoint_callbacks:
+            return  # no save of this fit reaches the plugin (a manual save makes the arena, as without preparation)
+        if not plugin.saves_sharded and (not trainer.is_global_zero or gathers_full_state(strategy)):
+            return  # this rank saves nothing, or saves state gathered from every rank: its own does not tell the size
+        weights_only = all(getattr(c, "save_weights_only", False) for c in trainer.checkpoint_callbacks)
+        state = checkpoint_state_tensors(trainer, with_optimizer_state=not weights_only)
+        try:
+            # A rank saving shards copies their local parts.
+            request = state_request_bytes(local_shard(tensor) for tensor in state)
+        except Exception as exc:  # noqa: BLE001 - only an early start: the first save makes the arena instead
+            log.debug("lightning_datastates: no host arena made before the first save: %r", exc)
+            return
+        plugin.prepare_arena(request)
 
     # ------------------------------------------------------------------ barriers
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -218,6 +226,16 @@ class DataStatesCallback(Callback):
         """
         override_file_exists(checkpoint_callback, plugin.counts_as_existing)
         self._patched.append(checkpoint_callback)
+
+
+def checkpoint_state_tensors(trainer: Trainer, with_optimizer_state: bool) -> Iterator[torch.Tensor]:
+    """The tensors a checkpoint of ``trainer`` holds, as far as known before one is made: the module's parameters and
+    persistent buffers, and (``with_optimizer_state``) the optimizers' state. Calls no ``state_dict``."""
+    module = trainer.lightning_module
+    yield from module.parameters()
+    yield from persistent_buffers(module)
+    if with_optimizer_state:
+        yield from optimizer_state_tensors(trainer)
 
 
 def optimizer_state_tensors(trainer: Trainer) -> Iterator[torch.Tensor]:

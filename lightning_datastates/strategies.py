@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.pytorch.strategies import DeepSpeedStrategy
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 
 
@@ -25,6 +25,12 @@ def bypass_reason(strategy: Any) -> str | None:
     if isinstance(strategy, DeepSpeedStrategy):
         return "DeepSpeedStrategy writes each checkpoint as a directory through the DeepSpeed engine"
     return None
+
+
+def gathers_full_state(strategy: Any) -> bool:
+    """Whether ``strategy``'s single-file saves hold state gathered from every rank (FSDP and ModelParallel in
+    full-state mode: rank 0 saves more than it holds), so that no rank's own tensors tell a checkpoint's size."""
+    return isinstance(strategy, (FSDPStrategy, ModelParallelStrategy))
 
 
 def warn_if_bypassed(strategy: Any) -> bool:

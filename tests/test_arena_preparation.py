@@ -24,6 +24,7 @@ from lightning_datastates.copy import pinning, sizing
 from lightning_datastates.copy.arena import HostArena
 from lightning_datastates.snapshot.backpressure import BackPressureWarning, describe_back_pressure
 from lightning_datastates.snapshot.job import JobState, SnapshotStats
+from lightning_datastates.strategies import gathers_full_state
 from tests.conftest import BNModel, assert_bit_equal, every_step_checkpoint, in_background, make_loader, make_trainer
 
 MiB = 2**20
@@ -323,3 +324,45 @@ def test_a_forked_child_does_not_inherit_the_pinned_arena() -> None:
     assert answer == b"0"
     with open("/proc/self/maps") as maps:  # ...while the parent keeps it
         assert any(int(a, 16) <= start < int(b, 16) for a, b in (line.split()[0].split("-") for line in maps))
+
+
+class _BufferedModel(BNModel):
+    """BNModel with a buffer its checkpoints do not hold (``persistent=False``)."""
+
+    def __init__(self) -> None:
+        super().__init__(width=64)
+        self.register_buffer("scratch", torch.zeros(MiB), persistent=False)
+
+
+@pytest.mark.parametrize("weights_only", [False, True])
+def test_arena_estimate_counts_what_the_checkpoints_hold(tmp_path, weights_only) -> None:
+    """Parameters and persistent buffers; the optimizer's state unless every ModelCheckpoint saves weights only."""
+    requests: list[int] = []
+
+    class Recording(DataStatesIO):
+        def prepare_arena(self, request_bytes: int) -> None:
+            requests.append(request_bytes)
+            super().prepare_arena(request_bytes)
+
+    checkpoints = every_step_checkpoint(str(tmp_path / "ckpt"), save_weights_only=weights_only, save_last=False)
+    trainer = make_trainer(str(tmp_path), Recording(), [checkpoints], max_epochs=1)
+    model = _BufferedModel()
+    trainer.fit(model, make_loader())
+    expected = list(model.parameters()) + [b for name, b in model.named_buffers() if not name.endswith("scratch")]
+    if not weights_only:
+        expected += [v for state in trainer.optimizers[0].state.values() for v in state.values() if torch.is_tensor(v)]
+    assert requests == [state_request_bytes(expected)]
+
+
+def test_no_arena_before_the_first_save_where_rank_zero_saves_gathered_state() -> None:
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+
+    assert gathers_full_state(FSDPStrategy()) and gathers_full_state(ModelParallelStrategy())
+    assert not gathers_full_state(DDPStrategy())
+
+
+def test_no_arena_before_the_first_save_without_a_checkpoint_callback(tmp_path, monkeypatch) -> None:
+    plugin = DataStatesIO()
+    trainer = make_trainer(str(tmp_path), plugin, max_epochs=1, enable_checkpointing=False)
+    trainer.fit(BNModel(), make_loader())
+    assert plugin._engine is None or plugin.engine.arena is None

@@ -150,3 +150,13 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return tensor.to_local()
     return tensor
+
+
+def persistent_buffers(module: torch.nn.Module) -> Iterator[torch.Tensor]:
+    """The buffers of ``module`` and its submodules that its ``state_dict`` holds (those registered with
+    ``persistent=False`` are left out), without calling ``state_dict`` (which runs hooks, and collectives under FSDP).
+    ``Module._buffers`` and ``_non_persistent_buffers_set`` are private; checked against torch 2.13.0."""
+    for submodule in module.modules():
+        for name, buffer in submodule._buffers.items():
+            if buffer is not None and name not in submodule._non_persistent_buffers_set:
+                yield buffer

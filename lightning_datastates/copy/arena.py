@@ -171,11 +171,14 @@ class HostArena:
         thread of its own (``datastates-arena-release``) waits for it, unpins, and only then drops the buffer. For an
         arena nothing was ever allocated from; use it no more."""
         self.close()
-        if self._unpin is None or not self._unpin.alive:
+        # Detached, the finalizer no longer runs when the arena goes (perhaps on this thread, before the thread below
+        # got to it); the thread holds the buffer, so that its memory outlives the unpinning.
+        detached = None if self._unpin is None else self._unpin.detach()
+        if detached is None:
             return
-        # The thread holds the buffer, so that its memory outlives the unpinning whenever the arena itself goes.
+        _, unpin, _, _ = detached
         release = threading.Thread(
-            target=_unpin_then_drop, args=(self._unpin, self.buffer), name="datastates-arena-release", daemon=True
+            target=_unpin_then_drop, args=(unpin, self.buffer), name="datastates-arena-release", daemon=True
         )
         release.start()
 

@@ -160,8 +160,9 @@ class CudaCopier:
                 # The caller frees the block on failure: the copies already issued must not write into it later.
                 self.stream.synchronize()
                 raise
-            done = torch.cuda.Event()
-            # Marks the end of this chunk's copies on the copy stream.
+            # Marks the end of this chunk's copies on the copy stream. Blocking: waiting for it yields the CPU instead
+            # of spinning on it (the copier thread waits for chunks in flight, cores are training's).
+            done = torch.cuda.Event(blocking=True)
             done.record(self.stream)
         return _CudaCopies(done)
 
@@ -193,10 +194,17 @@ class ChunkCopy:
         return all(part.ready() for part in self._parts)
 
     def wait(self) -> PieceCrcs:
-        """Wait for every device's copies; their CRC-32s together."""
+        """Wait for every device's copies; their CRC-32s together. If one failed, the others are still waited for
+        before its error is raised: the block is freed then, and no late copy may write into it afterwards."""
         crcs: PieceCrcs = {}
+        error: BaseException | None = None
         for part in self._parts:
-            crcs.update(part.wait())
+            try:
+                crcs.update(part.wait())
+            except BaseException as exc:  # noqa: BLE001 - raised below, once every part ended
+                error = error or exc
+        if error is not None:
+            raise error
         return crcs
 
 

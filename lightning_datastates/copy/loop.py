@@ -8,16 +8,13 @@ writers as a :class:`~lightning_datastates.write.tasks.WriteChunk`. A checkpoint
 once; one with lazy chunks waits until the lazy part of the one before it is copied.
 
 Chunks in flight: a device copier returns once a chunk's copies are queued on its stream (copy/copier.py), so the
-copier thread starts the next chunks' copies before the earlier ones end, up to a quarter of the arena, and hands
-each chunk to the writers once its copies ended, oldest first. The copy engine then always has work queued, also
-while the copier thread waits for the GIL. Every started chunk is handed over (or failed) before anything that
-needs its bytes or its sources: before a save call or a barrier is let through, before the copier waits for space
-in the arena (the blocks of started chunks must reach the writers to be freed) or for writers. Host copies end
-before ``start_chunk`` returns: their chunks go to the writers at once, as if copied synchronously.
-
-Thread model: :meth:`CopyLoop.submit` and :meth:`CopyLoop.wake` run on the training thread (capture);
-:meth:`CopyLoop.run` is the body of the copier thread, and everything else runs there. The wake condition is shared
-with the write-through gates: writers notify it when they are done with a chunk, barriers when they close a gate.
+copier thread starts the next chunks' copies before the earlier ones end (up to :data:`IN_FLIGHT_CHUNKS`, and a
+quarter of the arena), and hands each chunk to the writers once its copies ended, oldest first. The copy engine then
+always has work queued, also while the copier thread waits for the GIL. Every started chunk is handed over (or
+failed) before anything that needs its bytes or its sources: before a save call or a barrier is let through, before
+the copier waits for space in the arena (the blocks of started chunks must reach the writers to be freed) or for
+writers. Host copies end before ``start_chunk`` returns: their chunks go to the writers at once, as if copied
+synchronously.
 """
 
 from __future__ import annotations
@@ -39,8 +36,11 @@ from lightning_datastates.snapshot.threads import POLL_S
 from lightning_datastates.write.tasks import WriteChunk, WriteMetadata, WriteQueue, WriteThroughChunk
 from lightning_datastates.write.through import WriteThrough
 
-#: Chunks in flight hold at most this fraction of the arena (one chunk is always let through): enough to keep the
-#: copy engine busy across several GIL waits, little enough that writers always have the rest to work with.
+#: At most this many chunks are in flight at once (the one just started included): with 64 MiB chunks, about 5 ms of
+#: copying on a 50 GB/s link, one GIL switch interval; few enough that the eager copies of a new save, queued on the
+#: same stream behind them, wait little.
+IN_FLIGHT_CHUNKS = 4
+#: ... and they hold at most this fraction of the arena, so that writers always have the rest to work with.
 IN_FLIGHT_ARENA_FRACTION = 0.25
 
 
@@ -217,8 +217,18 @@ class CopyLoop:
         self._started.append(_StartedChunk(job, chunk, block, copy))
         self._started_bytes += block.reserved_bytes
         limit = int(self._arena.size_bytes * IN_FLIGHT_ARENA_FRACTION)
-        while self._started and (self._started[0].copy.ready() or self._started_bytes > limit):
+        while self._started and (
+            self._oldest_ended() or len(self._started) >= IN_FLIGHT_CHUNKS or self._started_bytes > limit
+        ):
             self._retire_oldest()
+
+    def _oldest_ended(self) -> bool:
+        """Whether the oldest started chunk's copies ended; True if asking failed (its wait then fails its own
+        checkpoint, not the one being copied now)."""
+        try:
+            return self._started[0].copy.ready()
+        except BaseException:  # noqa: BLE001 - raised again by the wait in _retire_oldest
+            return True
 
     def _allocate(self, job: SnapshotJob, nbytes: int) -> Block:
         """An arena block of ``nbytes`` for ``job``'s chunk; a wait for space (back-pressure) counts in its stats."""
