@@ -252,5 +252,10 @@ def test_sharded_benchmark_runs_every_method_over_two_ranks(tmp_path: Any) -> No
         assert [rank["rank"] for rank in result["ranks"][method]] == [0, 1]
         # DataStatesIO's own account of each checkpoint: the other methods have none.
         assert (row["waited_s"] is not None) == (method == "datastates")
+        # ... and its host arena: the shards went through it, and it never held more than its size.
+        arena = row["arena"]
+        assert (arena is not None) == (method == "datastates")
+        assert arena is None or 0 < arena["peak_used_bytes"] <= arena["size_bytes"]
     report = (tmp_path / "sharded-benchmark.md").read_text()
     assert "| datastates |" in report and "DataStatesIO's training thread waited" in report
+    assert "Its host arena:" in report

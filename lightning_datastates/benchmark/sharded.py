@@ -85,6 +85,7 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "shard_bytes": max(rank["shard_bytes"] for rank in ranks),
         "params": ranks[0]["params"],
         "waited_s": _waited_s(ranks),
+        "arena": max((rank.get("arena") or {} for rank in ranks), key=lambda a: a.get("peak_used_bytes", 0)) or None,
     }
 
 
@@ -126,6 +127,14 @@ def report(table: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
             f"DataStatesIO's training thread waited, per checkpoint: save call {waited['save_call_s'] * 1e3:.0f} ms, "
             f"barrier {waited['barrier_wait_s'] * 1e3:.0f} ms (the slowest rank; median over checkpoints).",
         ]
+    arena, datastates = table.get("datastates", {}).get("arena"), table.get("datastates")
+    if arena and datastates:
+        size_mib, peak_mib = arena["size_bytes"] / 2**20, arena["peak_used_bytes"] / 2**20
+        share = arena["peak_used_bytes"] / datastates["shard_bytes"]
+        lines.append(
+            f"Its host arena: {size_mib:.0f} MiB, at most {peak_mib:.0f} MiB in use ({share:.2f}x shard bytes; the "
+            "rank with the highest peak)."
+        )
     return "\n".join(lines)
 
 

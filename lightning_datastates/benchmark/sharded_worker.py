@@ -154,6 +154,12 @@ def _shard_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> in
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _arena_figures(plugin: Any) -> dict[str, int] | None:
+    """DataStatesIO's host arena on this rank: its size and peak use in bytes (None for the other methods)."""
+    arena = plugin.engine.arena if isinstance(plugin, DataStatesIO) else None
+    return None if arena is None else {"size_bytes": arena.size_bytes, "peak_used_bytes": arena.peak_used_bytes}
+
+
 def _engine_figures(stats: Any) -> dict[str, Any]:
     return {
         "save_call_s": stats.save_call_s,
@@ -212,6 +218,8 @@ def run_rank(args: argparse.Namespace) -> None:
         "params": sum(p.numel() for p in model.parameters()),
         # DataStatesIO's own account of each checkpoint on this rank (what the training thread waited for, and why)
         "engine": [_engine_figures(stats) for stats in plugin.stats] if isinstance(plugin, DataStatesIO) else [],
+        # The host arena's size and the most of it ever in use: how much of the extra memory the arena explains.
+        "arena": _arena_figures(plugin),
     }
     os.makedirs(args.result, exist_ok=True)
     with open(os.path.join(args.result, f"rank{trainer.global_rank}.json"), "w") as out:
