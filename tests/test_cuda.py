@@ -136,3 +136,32 @@ def test_trainer_on_gpu_copies_the_first_checkpoint_into_an_arena_pinned_beforeh
     assert at_first_save == [True] and plugin.engine.arena is plugin.first_arena
     for path, expected in plugin.recorded.items():
         assert_bit_equal(torch.load(path, map_location="cpu", weights_only=False), expected, os.path.basename(path))
+
+
+def test_chunks_are_in_flight_on_the_copy_stream_and_the_file_is_exact(tmp_path, monkeypatch):
+    """The copier queues several chunks' copies on its stream before the first ends (copy/loop.py), and the file
+    still equals the state at the save call, although the state changes right after the barrier."""
+    from lightning_datastates.copy import loop as copy_loop
+
+    most_in_flight = [0]
+    start_chunk = copy_loop.CopyLoop._copy_chunk
+
+    def recording_copy_chunk(self, job, chunk):
+        start_chunk(self, job, chunk)
+        most_in_flight[0] = max(most_in_flight[0], len(self._started))
+
+    monkeypatch.setattr(copy_loop.CopyLoop, "_copy_chunk", recording_copy_chunk)
+    plugin = DataStatesIO(host_cache="2GiB", chunk_size="32MiB")
+    plugin._owner = _AllLazy()  # type: ignore[assignment]
+    weight = torch.randn(128 * 2**20, device="cuda")  # 512 MiB: 16 chunks
+    expected = weight.cpu()
+    plugin.prepare_arena(weight.nbytes)  # copies into pageable memory would end at once: wait for the pinning
+    assert plugin.engine.arena is not None and plugin.engine.arena.wait_pinned(60)
+    path = str(tmp_path / "inflight.ckpt")
+    plugin.save_checkpoint({"w": weight}, path)
+    plugin.barrier()
+    weight.add_(1.0)  # the "optimizer step"
+    plugin.drain()
+    assert torch.equal(torch.load(path, weights_only=True, map_location="cpu")["w"], expected)
+    assert most_in_flight[0] > 1
+    plugin.teardown()
