@@ -42,7 +42,13 @@ def arena_request_bytes(layout: CheckpointLayout) -> int:
     """Arena bytes to ask for a checkpoint of ``layout``: its payload, plus room for the padding of chunk planning
     (pieces placed in phase for direct I/O, blocks rounded up to pages), so that a checkpoint the size of the default
     arena fits in it whole and the copy never waits."""
-    return layout.payload_bytes + (len(layout.records) + 1) * 2 * PAGE_ALIGNMENT_BYTES
+    return _padded(layout.payload_bytes, len(layout.records))
+
+
+def _padded(payload_bytes: int, records: int) -> int:
+    """``payload_bytes`` of ``records`` storages plus two pages per record and two more: the padding chunk planning
+    may add (pieces placed in phase, blocks rounded up to pages)."""
+    return payload_bytes + (records + 1) * 2 * PAGE_ALIGNMENT_BYTES
 
 
 #: A prepared arena serves a first checkpoint up to this fraction larger than the state it was sized for (other
@@ -56,7 +62,7 @@ def state_request_bytes(tensors: Iterable[torch.Tensor]) -> int:
     state), before any checkpoint is planned: their distinct storages' bytes, padded as :func:`arena_request_bytes`
     pads a planned one. An estimate: a checkpoint may hold more (another callback's tensors)."""
     storages = {storage_identity(s): s.nbytes() for s in (t.untyped_storage() for t in tensors)}
-    return sum(storages.values()) + (len(storages) + 1) * 2 * PAGE_ALIGNMENT_BYTES
+    return _padded(sum(storages.values()), len(storages))
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ kernels.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -244,11 +245,8 @@ class CopierSet:
             for device, device_pieces in by_device.items():
                 parts.append(self.for_device(device).start_pieces(block, device_pieces, sources, marks.get(device)))
         except BaseException:
-            for part in parts:
-                try:
-                    part.wait()
-                except BaseException:  # noqa: BLE001 - the first error is the one raised
-                    pass
+            with contextlib.suppress(BaseException):  # the error raised is the one that stopped the start
+                ChunkCopy(parts).wait()
             raise
         return ChunkCopy(parts)
 

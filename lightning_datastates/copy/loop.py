@@ -15,6 +15,10 @@ failed) before anything that needs its bytes or its sources: before a save call 
 the copier waits for space in the arena (the blocks of started chunks must reach the writers to be freed) or for
 writers. Host copies end before ``start_chunk`` returns: their chunks go to the writers at once, as if copied
 synchronously.
+
+Thread model: :meth:`CopyLoop.submit` and :meth:`CopyLoop.wake` run on the training thread (capture);
+:meth:`CopyLoop.run` is the body of the copier thread, and everything else runs there. The wake condition is shared
+with the write-through gates: writers notify it when they are done with a chunk, barriers when they close a gate.
 """
 
 from __future__ import annotations
@@ -84,7 +88,6 @@ class CopyLoop:
         self._captured: queue.Queue[SnapshotJob] = queue.Queue()  # in capture order
         self._eager_done: deque[SnapshotJob] = deque()  # eager part copied, lazy part waiting
         self._started: deque[_StartedChunk] = deque()  # chunks in flight, oldest first
-        self._started_bytes = 0  # arena bytes their blocks reserve
 
     # ------------------------------------------------------------------ training thread
     def submit(self, job: SnapshotJob) -> None:
@@ -215,10 +218,11 @@ class CopyLoop:
             self._arena.free(block)
             raise
         self._started.append(_StartedChunk(job, chunk, block, copy))
-        self._started_bytes += block.reserved_bytes
         limit = int(self._arena.size_bytes * IN_FLIGHT_ARENA_FRACTION)
         while self._started and (
-            self._oldest_ended() or len(self._started) >= IN_FLIGHT_CHUNKS or self._started_bytes > limit
+            self._oldest_ended()
+            or len(self._started) >= IN_FLIGHT_CHUNKS
+            or sum(started.block.reserved_bytes for started in self._started) > limit
         ):
             self._retire_oldest()
 
@@ -246,7 +250,6 @@ class CopyLoop:
     def _retire_oldest(self) -> None:
         """Wait for the oldest started chunk's copies and queue its write; a failed copy fails its checkpoint."""
         started = self._started.popleft()
-        self._started_bytes -= started.block.reserved_bytes
         job, chunk = started.job, started.chunk
         try:
             crcs = started.copy.wait()  # the CRC-32s where the copier computed them on the way (host sources)

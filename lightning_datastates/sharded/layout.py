@@ -170,11 +170,9 @@ def plan_shard_file(
         if isinstance(item, torch.Tensor):
             extents.append(next(tensor_extents))
             continue
-        start = align_up(position, piece_alignment)
+        start = _next_piece(position, piece_alignment, metadata)
         if item:
             metadata.append((start, bytes(item)))
-        if start > position:
-            metadata.append((position, bytes(start - position)))  # zeros between pieces: no one reads them
         extents.append(PieceExtent(start, len(item)))
         position = start + len(item)
     layout = CheckpointLayout(tuple(sorted(metadata)), run.records, position, run.checksums)
@@ -192,18 +190,24 @@ def _plan_tensor_run(
     extents: list[PieceExtent] = []
     position = 0
     for tensor in tensors:
-        start = align_up(position, piece_alignment)
+        start = _next_piece(position, piece_alignment, metadata)
         layout, tensor_storages = plans.plan(tensor)
         metadata.extend((start + offset, data) for offset, data in layout.metadata)
         records.extend(StorageRecord(len(storages) + r.key, start + r.offset, r.nbytes) for r in layout.records)
         checksums.extend(_shifted(slot, start) for slot in layout.checksums)
         storages.extend(tensor_storages)
-        if start > position:
-            metadata.append((position, bytes(start - position)))  # zeros between pieces: no one reads them
         extents.append(PieceExtent(start, layout.total_bytes))
         position = start + layout.total_bytes
     run = _TensorRun(tuple(metadata), tuple(records), tuple(checksums), tuple(extents), position)
     return run, storages
+
+
+def _next_piece(position: int, piece_alignment: int, metadata: list[tuple[int, bytes]]) -> int:
+    """Where the piece after ``position`` starts; the zeros up to there (no one reads them) go into ``metadata``."""
+    start = align_up(position, piece_alignment)
+    if start > position:
+        metadata.append((position, bytes(start - position)))
+    return start
 
 
 def _shifted(slot: ChecksumSlot, start: int) -> ChecksumSlot:

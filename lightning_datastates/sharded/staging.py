@@ -69,7 +69,7 @@ def stage_shard(
     # DCP's coordinator is rank 0 of the group it plans over; the committer's group spans every rank in order.
     planner.set_up_planner(state, storage_meta=None, is_coordinator=rank == 0)
     local = planner.create_local_plan() if local_plans is None else local_plans.plan(planner)
-    name = shard_file_name(rank, uuid.uuid4().hex[:12])
+    name = _new_file_name(rank)
     plan = replace(local, storage_data=ShardFileName(name))
     if not plan.items:
         return StagedShard(plan, name, {}), None
@@ -81,7 +81,12 @@ def stage_shard(
 
 def failed_staging(rank: int, error: BaseException) -> StagedShard:
     """The stand-in for a staging that raised ``error``: it makes the collective planning fail on every rank."""
-    return StagedShard(SavePlan([]), shard_file_name(rank, uuid.uuid4().hex[:12]), {}, error)
+    return StagedShard(SavePlan([]), _new_file_name(rank), {}, error)
+
+
+def _new_file_name(rank: int) -> str:
+    """The name of ``rank``'s file for a new save: its token is new, so no save overwrites another's file."""
+    return shard_file_name(rank, uuid.uuid4().hex[:12])
 
 
 def _structure(state_dict: dict[str, Any]) -> list[tuple[Any, ...]] | None:
