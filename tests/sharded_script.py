@@ -3,10 +3,10 @@
 ``python tests/sharded_script.py OUT --world N [--epochs E] [--resume NAME] [--fail-rank R] [--hold-rank R]``
 
 Lightning relaunches this script for ranks 1..N-1. The model's linear layers are sharded with ``fully_shard`` over N
-ranks; ``ModelCheckpoint`` saves every step (top-2 by step, plus ``last.ckpt``) into ``OUT/ckpt``. At every save call
-each rank records, synchronously, its local shards of the model and optimizer state; after fit it writes them to
-``OUT/ref/step<k>/rank<r>.pt`` (only saves whose call returned are recorded), and its final local shards to
-``OUT/final/rank<r>.pt``.
+ranks (two of them tied: one weight under two keys); ``ModelCheckpoint`` saves every step (top-2 by step, plus
+``last.ckpt``) into ``OUT/ckpt``. At every save call each rank records, synchronously, its local shards of the model and
+optimizer state; after fit it writes them to ``OUT/ref/step<k>/rank<r>.pt`` (only saves whose call returned are
+recorded), and its final local shards to ``OUT/final/rank<r>.pt``.
 
 Options: ``--resume NAME`` fits from ``OUT/ckpt/NAME`` (Lightning's sharded load); ``--fail-rank R``: rank R's shard
 writes fail from its 3rd checkpoint on; ``--hold-rank R``: rank R's writes of its 3rd checkpoint block forever after
@@ -46,22 +46,25 @@ from lightning_datastates.snapshot.engine import SnapshotEngine
 WIDTH = 64
 
 
+#: The linear layers whose weights are one parameter (two keys of the state dict, as a GPT's tied embedding and head).
+TIED = (0, 2)
+
+
 class ShardedMLP(L.LightningModule):
-    """Three linear layers, each sharded over the data-parallel ranks (FSDP2)."""
+    """Three linear layers sharded over the data-parallel ranks (FSDP2), the first and second with one weight."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.layers = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 1))
+        self.layers[TIED[1]].weight = self.layers[TIED[0]].weight
 
     def configure_model(self) -> None:
         from torch.distributed.fsdp import fully_shard
 
         mesh = self.device_mesh["data_parallel"]
-        for layer in self.layers:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(self.layers, mesh=mesh)
+        fully_shard(self.layers[3], mesh=mesh)
+        fully_shard(self.layers, mesh=mesh)  # the tied layers' parameters: one FSDP group holds the shared weight
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch

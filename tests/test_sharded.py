@@ -26,6 +26,7 @@ from tests.s3_server import (  # noqa: F401 - the *_fixture imports register the
     s3_fixture,
 )
 from tests.script_support import launch, run_to_completion
+from tests.sharded_script import TIED
 
 #: A sharded run starts slowly on a loaded 2-core machine; this only bounds a hang.
 _RUN_TIMEOUT_S = 600
@@ -106,6 +107,18 @@ def _assert_saved_as_at_the_save_call(out: pathlib.Path, world: int) -> None:
         shards = [f for f in files if f.startswith("__") and f.endswith(".distcp")]
         # One file per rank; the earlier saves of last.ckpt were removed, and so was every in-flight marker.
         assert sorted(files) == sorted([".metadata", "meta.pt", *shards]) and len(shards) == world, files
+        # The tied weight's two keys point to one archive per rank: copied and written once.
+        storage = pickle.loads((checkpoint_dir / name / ".metadata").read_bytes()).storage_data
+        keys = [f"state_dict.layers.{i}.weight" for i in TIED]
+        tied = [
+            {
+                (index.offset, info.relative_path, info.offset, info.length)
+                for index, info in storage.items()
+                if index.fqn == key
+            }
+            for key in keys
+        ]
+        assert tied[0] == tied[1] and len(tied[0]) == world, tied
     assert _mismatches(out, world, out) == []
     assert temp_files(str(out)) == []
 

@@ -253,6 +253,60 @@ def test_a_later_save_of_the_same_shards_reuses_their_placement_and_places_new_b
     assert plans.run_hits == 1
 
 
+def test_items_that_are_one_view_of_one_storage_share_one_archive_and_other_views_do_not(tmp_path):
+    """Tied weights (two keys of one parameter) are written once; a view at another offset of the same storage, or a
+    tensor of the same signature with other memory, keeps an archive of its own."""
+    plans = ArchivePlans(None)
+    tied = torch.randn(6, 4)
+    base = torch.arange(100, dtype=torch.float32)
+    items = [tied, b"bytes", tied.detach(), base[10:20], base[20:30], torch.randn(6, 4), tied]
+    plan = plan_shard_file(items, None, plans)
+    assert plan.extents[0] == plan.extents[2] == plan.extents[6]  # the same view: one archive
+    assert len({plan.extents[i] for i in (0, 3, 4, 5)}) == 4  # other views, other memory: archives of their own
+    assert len(plan.storages) == 4 and len(plan.layout.records) == 4  # each storage copied (and written) once
+    # The file is the one of the items without their repeats.
+    unrepeated = plan_shard_file([tied, b"bytes", base[10:20], base[20:30], items[5]], None, ArchivePlans(None))
+    assert (plan.layout.total_bytes, plan.layout.records) == (unrepeated.layout.total_bytes, unrepeated.layout.records)
+    path = tmp_path / "shard.distcp"
+    _write(plan, str(path))
+    blob = path.read_bytes()
+    assert len(blob) == plan.layout.total_bytes
+    for item, extent in zip(items, plan.extents, strict=True):
+        piece = blob[extent.offset : extent.offset + extent.length]
+        if isinstance(item, bytes):
+            assert piece == item
+        else:
+            assert_bit_equal(torch.load(io.BytesIO(piece), weights_only=True), item, "item")
+    # The tie is part of the cached placement: the same signatures without it are planned as two archives ...
+    pair_plans = ArchivePlans(None)
+    plan_shard_file([tied, b"bytes", tied], None, pair_plans)
+    untied = plan_shard_file([tied, b"bytes", torch.randn(6, 4)], None, pair_plans)
+    assert untied.extents[0] != untied.extents[2] and len(untied.storages) == 2
+    # ... and a later tie of the same signatures reuses the first placement.
+    other = torch.randn(6, 4)
+    tied_again = plan_shard_file([other, b"other bytes", other], None, pair_plans)
+    assert tied_again.extents[0] == tied_again.extents[2] and pair_plans.run_hits == 1
+
+
+def test_tied_items_are_read_back_by_dcp_from_one_archive(tmp_path):
+    weight = torch.randn(16, 8)
+    state = {"model": {"embed": weight, "head": weight, "bias": torch.zeros(8)}}
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    staged, shard = stage_shard(state, 0, ArchivePlans(None))
+    assert shard is not None and len(shard.storages) == 2
+    _write(shard, str(directory / staged.file_name))
+    planned = plan_checkpoint(staged, str(directory), None)
+    assert planned is not None
+    (directory / DCP_METADATA_NAME).write_bytes(planned.metadata_bytes)
+    metadata = pickle.loads(planned.metadata_bytes)
+    by_key = {index.fqn: info for index, info in metadata.storage_data.items()}
+    assert by_key["model.embed"] == by_key["model.head"] != by_key["model.bias"]
+    target = {"model": {"embed": torch.empty(16, 8), "head": torch.empty(16, 8), "bias": torch.ones(8)}}
+    dcp.load(target, checkpoint_id=str(directory), no_dist=True)
+    assert_bit_equal(target, state, "loaded")
+
+
 @pytest.fixture
 def one_rank_mesh():
     """A device mesh of this process alone (gloo), for DTensors outside a Trainer."""

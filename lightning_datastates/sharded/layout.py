@@ -12,6 +12,11 @@ it does a single-file checkpoint, lazily, and the offsets DCP's metadata needs a
 A tensor that views part of a larger storage is saved with that whole storage, as ``torch.save`` does (``torch.load``
 rebuilds the same view); DCP's own writer clones such tensors first, which would copy on the training thread.
 
+Several items that are the same view of the same storage (tied weights: the token embedding and the output layer of
+a GPT are two keys of one parameter) would get byte-identical archives: the file holds that archive once, and every
+such item's extent points to it. DCP's reader reads each item by its own ``(offset, length)``, so two items may share
+one; the copy into the host arena and the write are then done once, where DCP's own writer does both twice.
+
 This module is pure: no threads, no files, no devices beyond reading tensor metadata.
 """
 
@@ -30,6 +35,7 @@ from lightning_datastates.capture.layout import (
     VerifiedStructures,
     plan_layout,
 )
+from lightning_datastates.compat.torch import storage_identity
 
 #: Where each piece starts in the file when no storage alignment is set (torch's own record alignment).
 DEFAULT_PIECE_ALIGNMENT = 64
@@ -46,7 +52,7 @@ class PieceExtent:
 @dataclass(frozen=True)
 class ShardFilePlan:
     """The layout of one rank's shard file, its storages (indexed by record key), and each item's extent (in the
-    order of the items given)."""
+    order of the items given; items that are the same view of one storage share theirs)."""
 
     layout: CheckpointLayout
     storages: list[torch.UntypedStorage]
@@ -55,8 +61,9 @@ class ShardFilePlan:
 
 @dataclass(frozen=True)
 class _TensorRun:
-    """The pieces of a sequence of tensors placed from offset 0, each tensor with one storage (record key = its
-    index): what :func:`plan_shard_file` puts first in a file, the same for every save of the same shards."""
+    """The pieces of a sequence of tensors placed from offset 0, each distinct tensor with one storage (record key =
+    its index among the distinct ones; an alias shares the extent of the tensor it repeats): what
+    :func:`plan_shard_file` puts first in a file, the same for every save of the same shards."""
 
     metadata: tuple[tuple[int, bytes], ...]
     records: tuple[StorageRecord, ...]
@@ -154,14 +161,18 @@ def plan_shard_file(
     piece_alignment = alignment or DEFAULT_PIECE_ALIGNMENT
     tensors = [item for item in items if isinstance(item, torch.Tensor)]
     signatures = tuple(_signature(tensor) for tensor in tensors)
+    aliases = _aliases(tensors, signatures)
+    distinct = [tensor for tensor, alias in zip(tensors, aliases, strict=True) if alias is None]
     cacheable = None not in signatures
-    run = plans.run(signatures) if cacheable else None
+    # Which tensors repeat which is part of the key: the same signatures without the tie are another placement.
+    key = (signatures, aliases)
+    run = plans.run(key) if cacheable else None
     if run is not None:
-        storages = [tensor.untyped_storage() for tensor in tensors]
+        storages = [tensor.untyped_storage() for tensor in distinct]
     else:
-        run, storages = _plan_tensor_run(tensors, piece_alignment, plans)
-        if cacheable and len(storages) == len(tensors):
-            plans.keep_run(signatures, run)
+        run, storages = _plan_tensor_run(tensors, aliases, piece_alignment, plans)
+        if cacheable and len(storages) == len(distinct):
+            plans.keep_run(key, run)
     metadata = list(run.metadata)
     tensor_extents = iter(run.extents)
     extents: list[PieceExtent] = []
@@ -180,16 +191,20 @@ def plan_shard_file(
 
 
 def _plan_tensor_run(
-    tensors: Sequence[torch.Tensor], piece_alignment: int, plans: ArchivePlans
+    tensors: Sequence[torch.Tensor], aliases: Sequence[int | None], piece_alignment: int, plans: ArchivePlans
 ) -> tuple[_TensorRun, list[torch.UntypedStorage]]:
-    """Place the archives of ``tensors`` one after the other from offset 0; their storages by record key."""
+    """Place the archives of ``tensors`` one after the other from offset 0, an alias (see :func:`_aliases`) at the
+    archive of the tensor it repeats; their storages by record key."""
     metadata: list[tuple[int, bytes]] = []
     records: list[StorageRecord] = []
     checksums: list[ChecksumSlot] = []
     storages: list[torch.UntypedStorage] = []
     extents: list[PieceExtent] = []
     position = 0
-    for tensor in tensors:
+    for tensor, alias in zip(tensors, aliases, strict=True):
+        if alias is not None:
+            extents.append(extents[alias])
+            continue
         start = _next_piece(position, piece_alignment, metadata)
         layout, tensor_storages = plans.plan(tensor)
         metadata.extend((start + offset, data) for offset, data in layout.metadata)
@@ -200,6 +215,24 @@ def _plan_tensor_run(
         position = start + layout.total_bytes
     run = _TensorRun(tuple(metadata), tuple(records), tuple(checksums), tuple(extents), position)
     return run, storages
+
+
+def _aliases(
+    tensors: Sequence[torch.Tensor], signatures: Sequence[tuple[object, ...] | None]
+) -> tuple[int | None, ...]:
+    """For each tensor, the index of the first earlier one that is the same view of the same storage (equal
+    signature, one storage: ``torch.save`` writes byte-identical archives for the two), else None. Tensors without a
+    signature (subclasses, ...) are never aliases: nothing says what their archives hold."""
+    first: dict[tuple[object, ...], int] = {}
+    aliases: list[int | None] = []
+    for index, (tensor, signature) in enumerate(zip(tensors, signatures, strict=True)):
+        if signature is None:
+            aliases.append(None)
+            continue
+        view = (storage_identity(tensor.untyped_storage()), *signature)
+        aliases.append(first.get(view))
+        first.setdefault(view, index)
+    return tuple(aliases)
 
 
 def _next_piece(position: int, piece_alignment: int, metadata: list[tuple[int, bytes]]) -> int:
