@@ -249,6 +249,7 @@ def test_sharded_benchmark_runs_every_method_over_two_ranks(tmp_path: Any) -> No
     for method, row in result["table"].items():
         assert row["loop_s"] > 0 and row["shard_bytes"] > 0
         assert (row["blocked_s"] is None) == (method == "none") and row["checkpoints"] == (0 if method == "none" else 2)
+        assert len(row["cpu_s"]) == 2 and all(cpu > 0 for cpu in row["cpu_s"])  # every rank's process trained
         assert [rank["rank"] for rank in result["ranks"][method]] == [0, 1]
         # DataStatesIO's own account of each checkpoint: the other methods have none.
         assert (row["waited_s"] is not None) == (method == "datastates")
@@ -258,4 +259,12 @@ def test_sharded_benchmark_runs_every_method_over_two_ranks(tmp_path: Any) -> No
         assert arena is None or 0 < arena["peak_used_bytes"] <= arena["size_bytes"]
     report = (tmp_path / "sharded-benchmark.md").read_text()
     assert "| datastates |" in report and "DataStatesIO's training thread waited" in report
-    assert "Its host arena:" in report
+    assert "Its host arena:" in report and "| CPU s / ckpt |" in report
+
+
+def test_sharded_cpu_per_checkpoint_is_the_largest_rank_excess_over_none() -> None:
+    from lightning_datastates.benchmark.sharded import cpu_per_checkpoint_s
+
+    none = {"cpu_s": [10.0, 11.0], "checkpoints": 0}
+    row = {"cpu_s": [13.0, 12.0], "checkpoints": 2}
+    assert cpu_per_checkpoint_s(row, none) == pytest.approx(1.5)  # rank 0: 3 s beyond none over 2 checkpoints

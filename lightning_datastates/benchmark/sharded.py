@@ -10,6 +10,10 @@ Columns, from each rank's step times (the slowest rank counts, as training waits
 - **overhead**: loop time against ``none``;
 - **blocked / ckpt**: per checkpoint, what the step that saved and the next one (its barrier) took beyond the median
   step without a checkpoint; the median over checkpoints, and its ratio to ``sync``;
+- **CPU s / ckpt**: per checkpoint, the CPU time (every thread of the rank's process, from the first timed step until
+  ``fit`` returned) beyond ``none``'s; the rank that used the most. Where training keeps every core busy (a CPU
+  machine), this is roughly what the background copy, checksums and writes take from training, and it shows in
+  blocked time although no thread waits; a GPU node's spare cores absorb it;
 - **extra host memory**: peak resident memory beyond ``none``'s, as a multiple of the rank's shard bytes (model and
   optimizer state).
 
@@ -82,6 +86,7 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "blocked_s": statistics.median(blocked) if blocked else None,
         "checkpoints": len(saved),
         "peak_rss_bytes": max(rank["peak_rss_bytes"] for rank in ranks),
+        "cpu_s": [rank["cpu_s"] for rank in ranks],
         "shard_bytes": max(rank["shard_bytes"] for rank in ranks),
         "params": ranks[0]["params"],
         "waited_s": _waited_s(ranks),
@@ -101,6 +106,12 @@ def _waited_s(ranks: list[dict[str, Any]]) -> dict[str, float] | None:
     }
 
 
+def cpu_per_checkpoint_s(row: dict[str, Any], none: dict[str, Any]) -> float:
+    """CPU seconds per checkpoint beyond ``none``'s, rank by rank; the largest (see the module docstring)."""
+    checkpoints = max(1, row["checkpoints"])
+    return max(cpu - base for cpu, base in zip(row["cpu_s"], none["cpu_s"], strict=True)) / checkpoints
+
+
 def report(table: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
     """The markdown table."""
     none, sync = table.get("none"), table.get("sync")
@@ -109,8 +120,9 @@ def report(table: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
         f"Sharded: {args.model} GPT ({params:.1f}M parameters), ModelParallelStrategy over {args.world} ranks "
         f"({args.accelerator}), {args.steps} steps, a checkpoint every {args.every}.",
         "",
-        "| method | loop s | overhead vs none | blocked / ckpt | blocked vs sync | extra host memory (x shard bytes) |",
-        "|---|---|---|---|---|---|",
+        "| method | loop s | overhead vs none | blocked / ckpt | blocked vs sync | CPU s / ckpt "
+        "| extra host memory (x shard bytes) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for method, row in table.items():
         overhead = f"{row['loop_s'] / none['loop_s'] - 1:+.1%}" if none else "-"
@@ -118,8 +130,9 @@ def report(table: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
         versus = "-"
         if sync and row["blocked_s"] is not None and sync["blocked_s"]:
             versus = f"{row['blocked_s'] / sync['blocked_s']:.2f}x"
+        cpu = "-" if none is None or row is none else f"{cpu_per_checkpoint_s(row, none):.2f}"
         extra = f"{(row['peak_rss_bytes'] - none['peak_rss_bytes']) / row['shard_bytes']:.2f}x" if none else "-"
-        lines.append(f"| {method} | {row['loop_s']:.2f} | {overhead} | {blocked} | {versus} | {extra} |")
+        lines.append(f"| {method} | {row['loop_s']:.2f} | {overhead} | {blocked} | {versus} | {cpu} | {extra} |")
     waited = table.get("datastates", {}).get("waited_s")
     if waited:
         lines += [

@@ -5,7 +5,8 @@ The parent (:mod:`lightning_datastates.benchmark.sharded`) starts rank 0; Lightn
 with the same command line. Each rank trains the GPT of :mod:`lightning_datastates.benchmark.choices` with every block
 sharded by FSDP2 (``ModelParallelStrategy``, data parallel over ``--world`` processes), times each step on its
 training thread, and writes ``rank<r>.json`` into the result directory: step durations, the steps that saved, its peak
-resident memory from step 2 on, and the bytes of its local shards (model and optimizer state).
+resident memory and the CPU time of all its threads from step 2 on, and the bytes of its local shards (model and
+optimizer state).
 
 Methods (:data:`SHARDED_METHODS`): ``none`` (no checkpoints), ``sync`` (Lightning's own sharded save with DCP),
 ``dcp`` (``torch.distributed.checkpoint.async_save`` with a reused ``DefaultStager`` staging on its thread, a barrier
@@ -18,6 +19,7 @@ import argparse
 import json
 import logging
 import os
+import resource
 import time
 import warnings
 from typing import Any
@@ -56,18 +58,21 @@ class ShardedGPT(GPT):
 
 class StepTimer(Callback):
     """Times each step on the training thread (batch start to next batch start: the save at batch end and the next
-    barrier fall into it) and notes the steps at whose end ModelCheckpoint saved."""
+    barrier fall into it) and notes the steps at whose end ModelCheckpoint saved. Also the CPU time the process
+    (every thread) had used when the first timed step began."""
 
     def __init__(self) -> None:
         self.starts: list[float] = []
         self.saved_steps: list[int] = []
+        self.cpu_at_start_s = 0.0
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
-        """Start of a step (and, at the first timed step, a fresh peak-memory reading)."""
+        """Start of a step (and, at the first timed step, a fresh peak-memory reading and the CPU time so far)."""
         _sync(trainer)
         self.starts.append(time.perf_counter())
         if len(self.starts) == WARMUP_STEPS + 1:
             reset_peak_rss()
+            self.cpu_at_start_s = process_cpu_s()
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         """A checkpoint of the current step."""
@@ -77,6 +82,12 @@ class StepTimer(Callback):
         """End of the last step (the final drain comes later and is not a step)."""
         _sync(trainer)
         self.starts.append(time.perf_counter())
+
+
+def process_cpu_s() -> float:
+    """CPU seconds (user and system) every thread of this process has used so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _sync(trainer: L.Trainer) -> None:
@@ -205,6 +216,9 @@ def run_rank(args: argparse.Namespace) -> None:
     )
     model = ShardedGPT(vocab, dim, layers, heads, seq_len)
     trainer.fit(model, loader)
+    # From the first timed step until fit returned: the final drain's copies and writes count, as they were caused by
+    # the checkpoints of the timed steps.
+    cpu_s = process_cpu_s() - timer.cpu_at_start_s
     rss = peak_rss_bytes()
     plugin = trainer.strategy.checkpoint_io
     durations = [b - a for a, b in zip(timer.starts, timer.starts[1:], strict=False)]
@@ -214,6 +228,7 @@ def run_rank(args: argparse.Namespace) -> None:
         "step_s": durations,
         "saved_steps": sorted(set(timer.saved_steps)),
         "peak_rss_bytes": rss,
+        "cpu_s": cpu_s,
         "shard_bytes": _shard_bytes(model, trainer.optimizers[0]),
         "params": sum(p.numel() for p in model.parameters()),
         # DataStatesIO's own account of each checkpoint on this rank (what the training thread waited for, and why)
