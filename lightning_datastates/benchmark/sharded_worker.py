@@ -19,7 +19,6 @@ import argparse
 import json
 import logging
 import os
-import resource
 import time
 import warnings
 from typing import Any
@@ -33,7 +32,7 @@ from lightning_datastates import DataStatesIO
 from lightning_datastates._gpt import GPT
 from lightning_datastates.benchmark.choices import MODELS, SEED
 from lightning_datastates.benchmark.dcp import stager_survives_staging
-from lightning_datastates.benchmark.worker import peak_rss_bytes, reset_peak_rss
+from lightning_datastates.benchmark.worker import peak_rss_bytes, process_cpu_s, reset_peak_rss
 from lightning_datastates.compat.torch import local_shard
 
 #: The methods of the sharded benchmark, in the order of its report.
@@ -82,12 +81,6 @@ class StepTimer(Callback):
         """End of the last step (the final drain comes later and is not a step)."""
         _sync(trainer)
         self.starts.append(time.perf_counter())
-
-
-def process_cpu_s() -> float:
-    """CPU seconds (user and system) every thread of this process has used so far."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def _sync(trainer: L.Trainer) -> None:

@@ -151,6 +151,12 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux, bytes on macOS: a fallback
 
 
+def process_cpu_s() -> float:
+    """CPU seconds (user and system) every thread of this process has used so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _size_of(path: str) -> int:
     if os.path.isdir(path):
         return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
