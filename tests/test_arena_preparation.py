@@ -20,7 +20,7 @@ from lightning_datastates import DataStatesIO
 from lightning_datastates.alignment import PAGE_ALIGNMENT_BYTES
 from lightning_datastates.capture.admission import PREPARED_TOLERANCE, PreparedArena, state_request_bytes
 from lightning_datastates.config import DataStatesConfig
-from lightning_datastates.copy import pinning, sizing
+from lightning_datastates.copy import copier, pinning, sizing
 from lightning_datastates.copy.arena import HostArena
 from lightning_datastates.snapshot.backpressure import BackPressureWarning, describe_back_pressure
 from lightning_datastates.snapshot.job import JobState, SnapshotStats
@@ -87,9 +87,9 @@ def test_arena_is_pinned_off_the_calling_thread_and_usable_before() -> None:
     pinner.release.set()
     assert arena.wait_pinned(10)
     assert pinner.threads == ["datastates-arena-pin"] and not pinner.timed_out
-    address = arena.buffer.data_ptr()
+    pieces = pinning.cut_at_pin_boundaries(arena.buffer.data_ptr(), arena.size_bytes)
     del arena  # the finalizer unpins before the memory goes
-    assert pinner.unpinned == [address]
+    assert pinner.unpinned == [address for address, _ in pieces]
 
 
 def test_training_never_waits_for_pinning(tmp_path, monkeypatch) -> None:
@@ -108,6 +108,129 @@ def test_training_never_waits_for_pinning(tmp_path, monkeypatch) -> None:
     assert_bit_equal(torch.load(path, weights_only=True), expected)
     assert threading.main_thread().name not in pinner.threads and not pinner.timed_out
     plugin.teardown()
+
+
+class SteppedPinner:
+    """Pins nothing; each call waits until the test allows one more piece (``allow``), and the call numbered
+    ``fail_at`` (from 0) raises instead, as a driver that refuses."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.allowed = threading.Semaphore(0)
+        self.fail_at = fail_at
+        self.calls = 0
+        self.pinned: list[tuple[int, int]] = []
+        self.unpinned: list[int] = []
+        self.threads: list[str] = []
+
+    def allow(self, pieces: int = 1) -> None:
+        for _ in range(pieces):
+            self.allowed.release()
+
+    def pin(self, address: int, nbytes: int) -> None:
+        self.threads.append(threading.current_thread().name)
+        self.calls += 1
+        if self.calls - 1 == self.fail_at:
+            raise OSError("cudaHostRegister failed (injected)")
+        if not self.allowed.acquire(timeout=20):
+            raise TimeoutError("the test never allowed this piece")
+        self.pinned.append((address, nbytes))
+
+    def unpin(self, address: int) -> None:
+        self.unpinned.append(address)
+
+
+def _wait_until(condition, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def test_cut_at_pin_boundaries(monkeypatch) -> None:
+    monkeypatch.setattr(pinning, "PIN_PIECE_BYTES", MiB)
+    page = PAGE_ALIGNMENT_BYTES
+    assert pinning.cut_at_pin_boundaries(MiB - page, 2 * MiB + 2 * page) == [
+        (MiB - page, page),
+        (MiB, MiB),
+        (2 * MiB, MiB),
+        (3 * MiB, page),
+    ]
+    assert pinning.cut_at_pin_boundaries(MiB, MiB) == [(MiB, MiB)]  # exactly one piece: not cut
+    assert pinning.cut_at_pin_boundaries(MiB + 5, 10) == [(MiB + 5, 10)]
+    assert pinning.cut_at_pin_boundaries(MiB, 0) == []
+    # A device copy into the arena is issued in the same spans, as offsets from its target.
+    assert copier.pin_spans(2 * MiB - 100, 300) == [(0, 100), (100, 200)]
+    assert copier.pin_spans(2 * MiB, 300) == [(0, 300)]
+
+
+def test_arena_is_pinned_piece_by_piece_in_address_order(monkeypatch) -> None:
+    """Each piece is locked by a call of its own, so the arena's start is pinned (and copies into it take the pinned
+    path) long before its end; all on the pinning thread."""
+    monkeypatch.setattr(pinning, "PIN_PIECE_BYTES", MiB)
+    pinner = SteppedPinner()
+    arena = HostArena(4 * MiB, pinner=pinner)  # returns at once: no piece is allowed yet
+    pieces = pinning.cut_at_pin_boundaries(arena.buffer.data_ptr(), arena.size_bytes)
+    assert len(pieces) >= 4 and arena.pinned_bytes == 0 and not arena.pinned
+    pinner.allow()
+    assert _wait_until(lambda a=arena: a.pinned_bytes == pieces[0][1])  # the first piece is locked, the rest not
+    assert not arena.pinned and pinner.pinned == pieces[:1]
+    pinner.allow(len(pieces) - 1)
+    assert arena.wait_pinned(10) and arena.pinned_bytes == arena.size_bytes
+    assert pinner.pinned == pieces and set(pinner.threads) == {"datastates-arena-pin"}
+    del arena  # the finalizer unpins every piece before the memory goes
+    assert pinner.unpinned == [address for address, _ in pieces]
+
+
+def test_a_release_during_pinning_waits_for_the_current_piece_only() -> None:
+    """Discarding an arena whose pinning still runs (a prepared arena too small for the first checkpoint) waits for
+    one piece, not for the whole arena: no piece is locked after the release."""
+    pinner = SteppedPinner()
+    address, nbytes = 7 * pinning.PIN_PIECE_BYTES, 8 * pinning.PIN_PIECE_BYTES  # a range of 8 pieces (none is mapped)
+    locking = pinning.ArenaPinning(address, nbytes, pinner)
+    pinner.allow()
+    assert _wait_until(lambda: pinner.calls == 2)  # the second piece is being locked
+    released = threading.Thread(target=locking.release)
+    released.start()
+    released.join(0.2)
+    assert released.is_alive()  # waits for the piece in progress...
+    pinner.allow()
+    released.join(10)
+    assert not released.is_alive() and locking.done.is_set()  # ...and for nothing more
+    first, second = address, address + pinning.PIN_PIECE_BYTES
+    assert pinner.calls == 2 and pinner.unpinned == [first, second] and locking.pinned_bytes == 0
+    assert not locking.pinned
+
+
+def test_a_release_on_the_pinning_thread_unpins_once_the_piece_in_progress_ended() -> None:
+    """A garbage collection on the pinning thread may release the arena between two pieces: nothing waits there (it
+    would wait for itself), and every piece locked is still unpinned, the one in progress included."""
+    piece = pinning.PIN_PIECE_BYTES
+
+    class ReleasedWhileLocking(SteppedPinner):
+        def pin(self, address: int, nbytes: int) -> None:
+            super().pin(address, nbytes)
+            if self.calls == 2:
+                locking.release()  # as a finalizer run by a collection on this thread would
+
+    pinner = ReleasedWhileLocking()
+    locking = pinning.ArenaPinning(3 * piece, 8 * piece, pinner)
+    pinner.allow(8)
+    assert locking.done.wait(10) and _wait_until(lambda: len(pinner.unpinned) == 2)
+    assert pinner.calls == 2 and pinner.unpinned == [3 * piece, 4 * piece] and locking.pinned_bytes == 0
+
+
+def test_a_failing_piece_leaves_the_pieces_before_it_pinned(caplog) -> None:
+    pinner = SteppedPinner(fail_at=2)
+    piece = pinning.PIN_PIECE_BYTES
+    locking = pinning.ArenaPinning(3 * piece, 4 * piece, pinner)
+    pinner.allow(2)
+    assert locking.done.wait(10) and not locking.pinned
+    assert locking.pinned_bytes == 2 * piece  # the rest of the range stays pageable
+    assert f"{2 * piece} of {4 * piece} bytes locked" in caplog.text
+    locking.release()
+    assert pinner.unpinned == [3 * piece, 4 * piece] and pinner.calls == 3
 
 
 class RecordingPinner(BlockingPinner):
@@ -157,7 +280,9 @@ def test_arena_is_made_and_pinned_before_the_first_save(tmp_path, monkeypatch, h
     arena_at_first_save, pinning_begun = plugin.probed
     assert arena_at_first_save is not None and pinning_begun  # made, and its pinning under way, before the save
     assert plugin.engine.arena is arena_at_first_save  # ... and the first checkpoint took it
-    assert pinner.pinned == [(arena_at_first_save.buffer.data_ptr(), arena_at_first_save.size_bytes)]
+    assert pinner.pinned == pinning.cut_at_pin_boundaries(
+        arena_at_first_save.buffer.data_ptr(), arena_at_first_save.size_bytes
+    )
     assert threading.main_thread().name not in pinner.threads
     assert made_at_first_batch == [host_cache is not None]  # a host cache's size is known at train start
     if host_cache is None:  # the default rule, applied to the state: two of its checkpoints at least

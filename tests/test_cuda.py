@@ -154,14 +154,39 @@ def test_chunks_are_in_flight_on_the_copy_stream_and_the_file_is_exact(tmp_path,
     plugin = DataStatesIO(host_cache="2GiB", chunk_size="32MiB")
     plugin._owner = _AllLazy()  # type: ignore[assignment]
     weight = torch.randn(128 * 2**20, device="cuda")  # 512 MiB: 16 chunks
-    expected = weight.cpu()
     plugin.prepare_arena(weight.nbytes)  # copies into pageable memory would end at once: wait for the pinning
     assert plugin.engine.arena is not None and plugin.engine.arena.wait_pinned(60)
-    path = str(tmp_path / "inflight.ckpt")
-    plugin.save_checkpoint({"w": weight}, path)
-    plugin.barrier()
-    weight.add_(1.0)  # the "optimizer step"
-    plugin.drain()
-    assert torch.equal(torch.load(path, weights_only=True, map_location="cpu")["w"], expected)
+    _save_then_step_then_check(plugin, weight, str(tmp_path / "inflight.ckpt"))
     assert most_in_flight[0] > 1
     plugin.teardown()
+
+
+def test_arena_pinned_in_pieces_takes_copies_that_span_pieces_bit_exact(tmp_path, monkeypatch):
+    """The arena is page-locked piece by piece (cudaHostRegister per piece, copy/pinning.py); every piece is then
+    pinned for the driver, and chunks whose blocks span several pieces (copies cut at the pieces' boundaries) land
+    bit-exact, although the state changes right after the barrier."""
+    from lightning_datastates.copy import pinning
+
+    monkeypatch.setattr(pinning, "PIN_PIECE_BYTES", 2**20)  # 1 MiB pieces: every 8 MiB chunk spans at least 8
+    plugin = DataStatesIO(host_cache="64MiB", chunk_size="8MiB")
+    plugin._owner = _AllLazy()  # type: ignore[assignment]
+    weight = torch.randn(6 * 2**20, device="cuda")  # 24 MiB
+    plugin.prepare_arena(weight.nbytes)
+    arena = plugin.engine.arena
+    assert arena is not None and arena.wait_pinned(60) and arena.pinned_bytes == arena.size_bytes
+    base = arena.buffer.data_ptr()
+    for address, _ in pinning.cut_at_pin_boundaries(base, arena.size_bytes):
+        assert arena.buffer[address - base :].is_pinned(), f"piece at offset {address - base} is not pinned"
+    _save_then_step_then_check(plugin, weight, str(tmp_path / "pieces.ckpt"))
+    plugin.teardown()
+
+
+def _save_then_step_then_check(plugin: DataStatesIO, weight: torch.Tensor, path: str) -> None:
+    """Save ``weight`` lazily, change it right after the barrier (the "optimizer step"), and check that the file holds
+    the value at the save call."""
+    expected = weight.cpu()
+    plugin.save_checkpoint({"w": weight}, path)
+    plugin.barrier()
+    weight.add_(1.0)
+    plugin.drain()
+    assert torch.equal(torch.load(path, weights_only=True, map_location="cpu")["w"], expected)

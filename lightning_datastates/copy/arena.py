@@ -11,8 +11,9 @@ back on demand: when an allocation finds no space, the arena asks it for blocks 
 
 The buffer is ordinary pageable memory, mapped by the kernel page by page as it is first written (allocating it
 takes microseconds, on any thread). Where a :class:`~lightning_datastates.copy.pinning.Pinner` is given (CUDA hosts),
-a thread of its own page-locks the buffer afterwards (:mod:`~lightning_datastates.copy.pinning`): copies made before
-that take the pageable path, none waits for it.
+a thread of its own page-locks the buffer afterwards, piece by piece from its start
+(:mod:`~lightning_datastates.copy.pinning`): copies into a piece not yet locked take the pageable path, none waits for
+it. Free space is handed out lowest offset first, so the first copies land in the pieces locked first.
 
 Thread model: any thread may call :meth:`allocate` and :meth:`free`; in this package the copier thread
 allocates and the writer threads free.
@@ -76,7 +77,9 @@ class HostArena:
             shift = -raw.data_ptr() % PAGE_ALIGNMENT_BYTES
             self.buffer = raw[shift : shift + self.size_bytes]
             pinner = None  # no pinning of memory a forked child would copy
-        self._pinning = None if pinner is None else ArenaPinning(self.buffer.data_ptr(), self.size_bytes, pinner)
+        self._pinning = (
+            None if pinner is None else ArenaPinning(self.buffer.data_ptr(), self.size_bytes, pinner, self.buffer)
+        )
         self._unpin: weakref.finalize[[], HostArena] | None = None
         if self._pinning is not None:
             # Unpin before the buffer's memory is freed: finalizers run before the arena's attributes are cleared.
@@ -206,6 +209,11 @@ class HostArena:
     def pinned(self) -> bool:
         """Whether the buffer is page-locked now (False until the background pinning is done, or without a pinner)."""
         return self._pinning is not None and self._pinning.pinned
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of the buffer page-locked now, from its start (it is locked piece by piece, in address order)."""
+        return 0 if self._pinning is None else self._pinning.pinned_bytes
 
     def wait_pinned(self, timeout_s: float | None = None) -> bool:
         """Wait until the background pinning ended (at most ``timeout_s``); whether the buffer is pinned then."""

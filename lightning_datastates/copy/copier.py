@@ -34,6 +34,7 @@ import torch
 
 from lightning_datastates.capture.chunks import Piece
 from lightning_datastates.copy.arena import address_view
+from lightning_datastates.copy.pinning import cut_at_pin_boundaries
 from lightning_datastates.write.checksums import crc32
 
 #: Bytes copied, then checksummed, in one go: small enough to stay in the CPU cache in between.
@@ -154,9 +155,12 @@ class CudaCopier:
             self.stream.wait_event(mark)
             try:
                 for piece in pieces:
-                    # Asynchronous DMA into pinned host memory: overlaps whatever the compute stream runs now.
-                    target = block[piece.block_offset : piece.block_offset + piece.nbytes]
-                    target.copy_(_byte_range(sources[piece.key], piece), non_blocking=True)
+                    source = _byte_range(sources[piece.key], piece)
+                    # One copy per span of the arena's pinning (copy/pinning.py): each lies within one registration.
+                    for start, nbytes in pin_spans(block.data_ptr() + piece.block_offset, piece.nbytes):
+                        # Asynchronous DMA into pinned host memory: overlaps whatever the compute stream runs now.
+                        target = block[piece.block_offset + start : piece.block_offset + start + nbytes]
+                        target.copy_(source[start : start + nbytes], non_blocking=True)
             except BaseException:
                 # The caller frees the block on failure: the copies already issued must not write into it later.
                 self.stream.synchronize()
@@ -249,6 +253,12 @@ class CopierSet:
                 ChunkCopy(parts).wait()
             raise
         return ChunkCopy(parts)
+
+
+def pin_spans(target_address: int, nbytes: int) -> list[tuple[int, int]]:
+    """The spans, as ``(offset from target_address, nbytes)``, that a device copy of ``nbytes`` to host memory at
+    ``target_address`` is issued in: cut where the arena's pinning pieces meet (:func:`cut_at_pin_boundaries`)."""
+    return [(address - target_address, size) for address, size in cut_at_pin_boundaries(target_address, nbytes)]
 
 
 def _byte_range(storage: torch.UntypedStorage, piece: Piece) -> torch.Tensor:
