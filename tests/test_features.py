@@ -166,7 +166,9 @@ def test_reduce_lr_on_plateau_with_tensor_learning_rate(tmp_path, slow_copies):
     """The scheduler fills the lr tensor in place after the save, before the next optimizer step."""
     plugin, trainer = _fit(tmp_path, PlateauModel(), max_epochs=2)
     final_lr = trainer.optimizers[0].param_groups[0]["lr"]
-    assert isinstance(final_lr, torch.Tensor) and float(final_lr) < 1e-2  # the tensor really was reduced
+    if not isinstance(final_lr, torch.Tensor):  # checked first: otherwise the test would pass without the hazard
+        pytest.skip("this torch's ReduceLROnPlateau replaces a tensor learning rate with a float (no fill_)")
+    assert float(final_lr) < 1e-2  # the tensor really was reduced
     saved_lrs = {float(c["optimizer_states"][0]["param_groups"][0]["lr"]) for c in plugin.recorded.values()}
     assert len(saved_lrs) > 1
     _assert_contract(plugin, tmp_path)

@@ -43,6 +43,17 @@ def stager_survives_staging() -> bool:
     return True
 
 
+def has_default_stager() -> bool:
+    """Whether this torch has DCP's ``DefaultStager`` (staging on a thread of its own, reusable, pinned). torch 2.7's
+    ``async_save`` has no stager argument: it copies the state to CPU memory on the calling thread, then writes on a
+    thread."""
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 class DcpAsyncIO(CheckpointIO):
     """Benchmark-only: ``torch.distributed.checkpoint.async_save`` as a CheckpointIO (each checkpoint a directory).
 
@@ -56,15 +67,19 @@ class DcpAsyncIO(CheckpointIO):
 
     def __init__(self, recorder: Recorder) -> None:
         super().__init__()
-        from torch.distributed.checkpoint.staging import StagingOptions
-
         self.recorder = recorder
-        cuda = torch.cuda.is_available()
-        self.staging_options = StagingOptions(
-            use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda
-        )
-        self.reuse_stager = stager_survives_staging()
-        self.stager = self._new_stager()
+        self.staging_options: Any = None
+        self.reuse_stager = True
+        self.stager: Any = None  # None: this torch's async_save stages on the calling thread (has_default_stager)
+        if has_default_stager():
+            from torch.distributed.checkpoint.staging import StagingOptions
+
+            cuda = torch.cuda.is_available()
+            self.staging_options = StagingOptions(
+                use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda
+            )
+            self.reuse_stager = stager_survives_staging()
+            self.stager = self._new_stager()
         self.stager_used = False
         self.staging: list[tuple[Any, dict[str, Any]]] = []
         self.uploads: list[Any] = []
@@ -88,8 +103,12 @@ class DcpAsyncIO(CheckpointIO):
             self.stager = self._new_stager()
         self.stager_used = True
         writer = FileSystemWriter(path, sync_files=True)
-        response: Any = async_save(
-            checkpoint, checkpoint_id=path, storage_writer=writer, async_stager=self.stager, no_dist=True
+        response: Any = (
+            async_save(checkpoint, checkpoint_id=path, storage_writer=writer)  # stages here, on this thread
+            if self.stager is None
+            else async_save(
+                checkpoint, checkpoint_id=path, storage_writer=writer, async_stager=self.stager, no_dist=True
+            )
         )
         staged, uploaded = (
             (response.staging_completion, response.upload_completion)
@@ -136,7 +155,8 @@ class DcpAsyncIO(CheckpointIO):
         for upload in self.uploads:
             upload.result()
         self.uploads = []
-        self.stager.close()
+        if self.stager is not None:
+            self.stager.close()
 
 
 class DcpBarrier(Callback):

@@ -31,7 +31,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning_datastates import DataStatesIO
 from lightning_datastates._gpt import GPT
 from lightning_datastates.benchmark.choices import MODELS, SEED
-from lightning_datastates.benchmark.dcp import stager_survives_staging
+from lightning_datastates.benchmark.dcp import has_default_stager, stager_survives_staging
 from lightning_datastates.benchmark.worker import peak_rss_bytes, process_cpu_s, reset_peak_rss
 from lightning_datastates.compat.torch import local_shard
 
@@ -105,6 +105,12 @@ class AsyncDcpSaves(Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Replace the strategy's ``save_checkpoint`` on this rank."""
         import torch.distributed as dist
+
+        if not has_default_stager():
+            raise RuntimeError(
+                f"the sharded benchmark's dcp method stages with DCP's DefaultStager, which torch {torch.__version__} "
+                "does not have: upgrade torch, or leave dcp out (--methods none,sync,datastates)"
+            )
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
         from torch.distributed.checkpoint.state_dict_saver import async_save
 

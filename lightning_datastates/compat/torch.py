@@ -1,4 +1,4 @@
-"""Private torch internals the package relies on, checked against torch 2.13.0 (pyproject accepts 2.6 to 2.14).
+"""Private torch internals the package relies on, checked against torch 2.13.0 (pyproject accepts 2.7 to 2.14).
 
 Each reach into a torch name, attribute or behaviour that torch does not document as stable is here, named for what
 it gives us; the rest of the package calls these. Why the planner needs each one: ``docs/design.md``, "torch file
@@ -42,7 +42,7 @@ def save_storage_alignment(alignment_bytes: int) -> Iterator[None]:
     """Within the block, ``torch.save`` starts every storage's data at a file offset multiple of ``alignment_bytes``.
 
     Checked against torch 2.13.0: the process-wide ``torch.utils.serialization.config.save.storage_alignment``
-    (torch 2.6 and later, 64 by default), restored on exit. Not thread-safe on its own: the caller keeps two blocks
+    (torch 2.7 and later, 64 by default), restored on exit. Not thread-safe on its own: the caller keeps two blocks
     from overlapping.
     """
     config = torch.utils.serialization.config.save
