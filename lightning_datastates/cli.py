@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from lightning_datastates.compat.torch import fake_tensor_mode, loaded_storage_key
+from lightning_datastates.compat.torch import fake_tensor_mode, loaded_storage_key, loaded_storage_nbytes
 from lightning_datastates.errors import CheckpointCorruptError
 from lightning_datastates.load.reader import verify_checkpoint
 from lightning_datastates.storage import LocalWriter, StorageWriter, local_path, writer_for
@@ -173,7 +173,7 @@ def _walk(value: Any, name: str, tensors: list[dict[str, Any]], storages: dict[A
         storage = value.untyped_storage() if value.layout == torch.strided else None
         if storage is not None:
             # Fake and mapped storages have no comparable data pointer: the file offset names the record.
-            storages[loaded_storage_key(storage)] = storage.nbytes()
+            storages[loaded_storage_key(storage)] = loaded_storage_nbytes(value)
         tensors.append(
             {
                 "name": name or "<root>",

@@ -125,6 +125,19 @@ def test_inspect_lists_every_tensor_without_loading_them(lightning_checkpoint, t
     assert text.splitlines()[-1].startswith(f"totals: {expected_tensors} tensors")
 
 
+def test_storage_totals_of_a_metadata_only_read_are_the_records_sizes(tmp_path) -> None:
+    """Fake storages count their file record's bytes (torch 2.7 makes them element_size times larger), for every
+    dtype, and a storage shared by two tensors counts once."""
+    weight = torch.randn(100)
+    state = {"w": weight, "view": weight[10:20], "i": torch.arange(7), "h": torch.ones(3, dtype=torch.float16)}
+    path = str(tmp_path / "small.pt")
+    torch.save(state, path)
+    result = _cli("inspect", "--json", path)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["totals"]["storage_bytes"] == 100 * 4 + 7 * 8 + 3 * 2
+    assert json.loads(result.stdout)["totals"]["storages"] == 3
+
+
 def test_inspect_reports_unreadable_files(tmp_path, capsys) -> None:
     (tmp_path / "junk.ckpt").write_bytes(b"not a checkpoint")
     assert main(["inspect", str(tmp_path / "junk.ckpt")]) == 1

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
+import io
 import pickle
 import types
 from collections.abc import Iterator
@@ -119,6 +121,34 @@ def fake_tensor_mode() -> contextlib.AbstractContextManager[Any]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode()
+
+
+def loaded_storage_nbytes(tensor: torch.Tensor) -> int:
+    """The bytes of the storage ``tensor`` was loaded over by ``torch.load`` (possibly under :func:`fake_tensor_mode`):
+    the size of its record in the file.
+
+    torch 2.7 (seen on 2.7.1) makes each storage it fakes ``element_size`` times too large: it multiplies the byte
+    count by the element size of the storage's dtype a second time. Where a probe shows that, the size of a fake
+    (``meta``) storage is divided by the element size of the tensor over it (the dtype torch loaded it as, unless
+    tensors of two dtypes share it).
+    """
+    storage = tensor.untyped_storage()
+    nbytes = storage.nbytes()
+    if storage.device.type == "meta" and _fake_storages_scaled_by_element_size():
+        return nbytes // tensor.element_size()
+    return nbytes
+
+
+@functools.cache
+def _fake_storages_scaled_by_element_size() -> bool:
+    """Whether ``torch.load`` under fake tensors makes storages ``element_size`` times too large (see
+    :func:`loaded_storage_nbytes`). Tried on a one-element float32 tensor, not inferred from the version."""
+    buffer = io.BytesIO()
+    torch.save(torch.zeros(1, dtype=torch.float32), buffer)
+    buffer.seek(0)
+    with fake_tensor_mode():
+        probe = torch.load(buffer, weights_only=True)
+    return int(probe.untyped_storage().nbytes()) == 4 * 4
 
 
 def loaded_storage_key(storage: torch.UntypedStorage) -> Any:
