@@ -93,8 +93,8 @@ class AsyncDcpSaves(Callback):
 
     Installed at setup on every rank (it makes a gloo group for DCP's background collectives: a collective itself).
     At each save: wait for the previous upload (DCP takes one at a time), start ``async_save`` with a reused stager
-    (pinned where CUDA is present), and write Lightning's ``meta.pt`` on rank 0. The barrier before the optimizer step
-    waits for staging.
+    (pinned where CUDA is present; without DCP's ``DefaultStager``, torch 2.7, ``async_save`` stages on the training
+    thread), and write Lightning's ``meta.pt`` on rank 0. The barrier before the optimizer step waits for staging.
     """
 
     def __init__(self) -> None:
@@ -105,20 +105,18 @@ class AsyncDcpSaves(Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Replace the strategy's ``save_checkpoint`` on this rank."""
         import torch.distributed as dist
-
-        if not has_default_stager():
-            raise RuntimeError(
-                f"the sharded benchmark's dcp method stages with DCP's DefaultStager, which torch {torch.__version__} "
-                "does not have: upgrade torch, or leave dcp out (--methods none,sync,datastates)"
-            )
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
         from torch.distributed.checkpoint.state_dict_saver import async_save
 
-        cuda = torch.cuda.is_available()
-        options = StagingOptions(
-            use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda
-        )
-        reuse = stager_survives_staging()
+        # Without DCP's DefaultStager (torch 2.7), async_save stages on the calling thread: measured as it is.
+        staged_here = not has_default_stager()
+        if not staged_here:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            cuda = torch.cuda.is_available()
+            options = StagingOptions(
+                use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda
+            )
+            reuse = stager_survives_staging()
         group = dist.new_group(backend="gloo")
         strategy = trainer.strategy
 
@@ -129,11 +127,14 @@ class AsyncDcpSaves(Callback):
             state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
             if self.upload is not None:
                 self.upload.result()
-            if self.stager is None or not reuse:
-                if self.stager is not None:
-                    self.stager.close()
-                self.stager = DefaultStager(options)
-            response: Any = async_save(state, checkpoint_id=path, async_stager=self.stager, process_group=group)
+            if staged_here:
+                response: Any = async_save(state, checkpoint_id=path, process_group=group)
+            else:
+                if self.stager is None or not reuse:
+                    if self.stager is not None:
+                        self.stager.close()
+                    self.stager = DefaultStager(options)
+                response = async_save(state, checkpoint_id=path, async_stager=self.stager, process_group=group)
             self.staging, self.upload = (
                 (response.staging_completion, response.upload_completion)
                 if hasattr(response, "staging_completion")
