@@ -109,6 +109,9 @@ def test_summary_definitions() -> None:
     row = report.summarize_run(_run_record([0.1, 0.3, 0.2, 0.4], barrier=0.05), raw_bps=4e6)
     assert row["blocked_p50_s"] == pytest.approx(0.3)  # median of 0.15, 0.35, 0.25, 0.45
     assert row["blocked_max_s"] == pytest.approx(0.45)
+    assert row["first_blocked_s"] == pytest.approx(0.15)
+    assert row["first_vs_steady"] == pytest.approx(0.15 / 0.35)  # the later ones: 0.35, 0.25, 0.45
+    assert report.summarize_run(_run_record([0.2]), None).get("first_vs_steady") is None  # nothing to compare with
     assert row["durable_p50_s"] == pytest.approx(0.5)
     assert row["fsync_p50_s"] == pytest.approx(0.1)
     assert row["flush_Bps"] == pytest.approx(2e6)

@@ -17,6 +17,9 @@ Columns of the report (one row per method; each figure is the median over ``--ro
 - ``blocked p50/max ms``: per checkpoint, the training thread's time inside ``CheckpointIO.save_checkpoint``
   plus its waits at the method's barriers (DataStatesIO: ``on_before_optimizer_step`` and the other barrier hooks;
   dcp: the wait for staging before the optimizer step); median and largest checkpoint of the round.
+- ``1st/steady``: the first checkpoint's blocked time over the median of the later ones' (a first checkpoint that
+  pays for setting up, such as a host buffer allocated or page-locked at that moment, shows here; the GPU target is
+  at most 2).
 - ``durable p50 s``: per checkpoint, seconds from the save call until the file is on storage: DataStatesIO and dcp
   until their own commit (both fsync); torch and async until the benchmark's fsync of the written file returned.
 - ``fsync p50 s``: torch and async only: how long that fsync took (part of ``durable``).
@@ -74,6 +77,9 @@ def summarize_run(run: dict[str, Any], raw_bps: float | None) -> dict[str, Any]:
         return row
     blocked = [c["call_s"] + c["barrier_s"] for c in cks]
     row.update(blocked_p50_s=statistics.median(blocked), blocked_max_s=max(blocked), checkpoints=len(cks))
+    row["first_blocked_s"] = blocked[0]
+    if len(blocked) > 1 and (steady := statistics.median(blocked[1:])) > 0:
+        row["first_vs_steady"] = blocked[0] / steady
     row["bytes"] = statistics.median(c["bytes"] for c in cks)
     durable = [c["durable"] - c["start"] for c in cks if c.get("durable") is not None]
     if durable:
@@ -123,7 +129,7 @@ def markdown(table: dict[str, dict[str, Any]], header: str) -> str:
 
     gpu = any(row.get("extra_gpu_bytes") is not None for row in table.values())
     cols = ["method", "train s", "overhead", "quiet overhead", "fit s", "fit overhead", "blocked p50 ms",
-            "blocked max ms",
+            "blocked max ms", "1st/steady",
             "durable p50 s", "fsync p50 s", "flush MB/s", "vs raw", "peak RSS GB", "extra/ckpt"]  # fmt: skip
     if gpu:
         cols.append("extra GPU GB")
@@ -133,6 +139,7 @@ def markdown(table: dict[str, dict[str, Any]], header: str) -> str:
             method, f(row, "train_s", ".2f"), f(row, "overhead", "+.1%"), f(row, "quiet_overhead", "+.1%"),
             f(row, "fit_s", ".2f"),
             f(row, "fit_overhead", "+.1%"), f(row, "blocked_p50_s", ".1f", 1e3), f(row, "blocked_max_s", ".1f", 1e3),
+            f(row, "first_vs_steady", ".2f"),
             f(row, "durable_p50_s", ".2f"), f(row, "fsync_p50_s", ".2f"), f(row, "flush_Bps", ".0f", 1 / _MB),
             f(row, "flush_vs_raw", ".2f"), f(row, "peak_rss_bytes", ".2f", 1e-9), f(row, "extra_rss_per_ckpt", ".2f"),
         ]  # fmt: skip
