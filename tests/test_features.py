@@ -13,12 +13,8 @@ from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import (
-    Callback,
-    EMAWeightAveraging,
-    ModelCheckpoint,
-    StochasticWeightAveraging,
-)
+from lightning.pytorch import callbacks as lightning_callbacks
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, StochasticWeightAveraging
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from tests.conftest import (
@@ -134,6 +130,9 @@ class SaveEveryBatch(Callback):
         self.saved.append(path)
 
 
+@pytest.mark.skipif(
+    not hasattr(lightning_callbacks, "EMAWeightAveraging"), reason="EMAWeightAveraging is new in lightning 2.6"
+)
 def test_ema_weight_averaging_with_mid_epoch_validation(tmp_path, slow_copies):
     """EMA swaps averaged weights in at validation start and copies them over the model at train end."""
     val_checkpoint = ModelCheckpoint(
@@ -142,7 +141,7 @@ def test_ema_weight_averaging_with_mid_epoch_validation(tmp_path, slow_copies):
     plugin, _ = _fit(
         tmp_path,
         BNModel(),
-        callbacks=[EMAWeightAveraging(decay=0.5), val_checkpoint],
+        callbacks=[lightning_callbacks.EMAWeightAveraging(decay=0.5), val_checkpoint],
         val=True,
         val_check_interval=3,
         max_epochs=2,
