@@ -221,6 +221,41 @@ def test_a_release_on_the_pinning_thread_unpins_once_the_piece_in_progress_ended
     assert pinner.calls == 2 and pinner.unpinned == [3 * piece, 4 * piece] and locking.pinned_bytes == 0
 
 
+def test_a_release_by_a_collection_while_the_pinning_thread_holds_its_lock_does_not_deadlock() -> None:
+    """Any allocation may start a garbage collection, which may run the arena's finalizer (release) on the pinning
+    thread while that thread holds the pinning's lock: it must neither deadlock nor leave a piece locked."""
+    piece = pinning.PIN_PIECE_BYTES
+
+    class ReleasingList(list):
+        def append(self, item) -> None:  # type: ignore[no-untyped-def]
+            locking.release()  # as a collection started by the allocation of the item would
+            super().append(item)
+
+    pinner = SteppedPinner()
+    locking = pinning.ArenaPinning(3 * piece, 4 * piece, pinner)
+    locking._locked = ReleasingList()
+    pinner.allow(4)
+    assert locking.done.wait(10), "the pinning thread deadlocked on its own lock"
+    assert _wait_until(lambda: pinner.unpinned == [3 * piece])  # the piece locked during the release: unpinned too
+    assert pinner.calls == 1 and locking.pinned_bytes == 0
+
+
+def test_an_unpin_that_fails_does_not_keep_the_other_pieces_locked(caplog) -> None:
+    class FailingFirstUnpin(SteppedPinner):
+        def unpin(self, address: int) -> None:
+            super().unpin(address)
+            if len(self.unpinned) == 1:
+                raise RuntimeError("cudaHostUnregister failed (injected)")
+
+    piece = pinning.PIN_PIECE_BYTES
+    pinner = FailingFirstUnpin()
+    locking = pinning.ArenaPinning(3 * piece, 3 * piece, pinner)
+    pinner.allow(3)
+    assert locking.done.wait(10) and locking.pinned
+    locking.release()
+    assert pinner.unpinned == [3 * piece, 4 * piece, 5 * piece] and "could not unpin" in caplog.text
+
+
 def test_a_failing_piece_leaves_the_pieces_before_it_pinned(caplog) -> None:
     pinner = SteppedPinner(fail_at=2)
     piece = pinning.PIN_PIECE_BYTES

@@ -107,11 +107,12 @@ class ArenaPinning:
         self._locked: list[tuple[int, int]] = []  # pieces pinned and not yet unpinned, in address order
         self._locked_bytes = 0
         self._released = False  # no piece is locked after this is set
-        self._finished = False  # the pinning thread has left its loop
-        self._unpin_at_end = False  # released on the pinning thread itself: it unpins once it left its loop
+        self._released_here = False  # released on the pinning thread itself: it unpins what it locks afterwards
         #: Set once the pinning ended: every piece pinned, or stopped by a failure or a release.
         self.done = threading.Event()
-        self._lock = threading.Lock()
+        # Reentrant: a garbage collection on the pinning thread may run the arena's finalizer, i.e. release(), while
+        # that thread holds the lock (any allocation may start one).
+        self._lock = threading.RLock()
         # A daemon thread: it only prepares memory, nothing on storage depends on it; interpreter exit need not wait.
         self._thread = threading.Thread(target=self._run, args=(memory,), name="datastates-arena-pin", daemon=True)
         self._thread.start()
@@ -147,12 +148,9 @@ class ArenaPinning:
                 exc,
             )
         finally:
-            with self._lock:
-                self._finished = True
-                unpin = self._unpin_at_end
             self.done.set()
-            if unpin:
-                self._unpin_locked()
+            if self._released_here:
+                self._unpin_locked()  # a piece locked after the release that ran on this thread
             del memory  # only now may the memory go
 
     def release(self) -> None:
@@ -160,26 +158,34 @@ class ArenaPinning:
         is waited for. Call before the buffer's memory is freed.
 
         Nothing to do in a forked child (the range was not inherited). On the pinning thread itself (a garbage
-        collection there may release the arena between two pieces) nothing waits: the thread unpins once it left its
-        loop, and holds the memory until then.
+        collection there may release the arena at any point of its loop) nothing waits: the pieces locked so far are
+        unpinned at once, a piece being locked by the interrupted code once its loop ended; the thread holds the
+        memory until then.
         """
         if os.getpid() != self._pid:
             return
+        on_pinning_thread = threading.current_thread() is self._thread
         with self._lock:
             self._released = True
-            on_pinning_thread = threading.current_thread() is self._thread
-            if on_pinning_thread and not self._finished:
-                self._unpin_at_end = True
-                return
+            self._released_here = self._released_here or on_pinning_thread
         if not on_pinning_thread:
             self.done.wait()
         self._unpin_locked()
 
     def _unpin_locked(self) -> None:
-        with self._lock:
-            locked, self._locked, self._locked_bytes = self._locked, [], 0
-        for address, _ in locked:
-            self._pinner.unpin(address)
+        """Unpin every piece still locked. One piece at a time, each taken off the list before it is unpinned: a
+        release run in between (by a collection on this thread) unpins only the pieces still listed, so every piece is
+        unpinned exactly once."""
+        while True:
+            with self._lock:
+                if not self._locked:
+                    return
+                address, nbytes = self._locked.pop(0)
+                self._locked_bytes -= nbytes
+            try:
+                self._pinner.unpin(address)
+            except Exception as exc:  # noqa: BLE001 - the other pieces must still be unpinned before the memory goes
+                log.warning("lightning_datastates: could not unpin %d bytes of the host arena: %s", nbytes, exc)
 
 
 def cut_at_pin_boundaries(address: int, nbytes: int) -> list[tuple[int, int]]:
