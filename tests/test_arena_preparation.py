@@ -342,10 +342,7 @@ def test_a_prepared_arena_too_small_for_the_first_checkpoint_is_made_again(tmp_p
     assert arena is not None and arena is not prepared and arena.size_bytes >= 2 * 48 * MiB
     assert not pinner.release.is_set() and pinner.unpinned == []  # all of the above ran while pinning held
     pinner.release.set()
-    deadline = time.monotonic() + 10
-    while prepared.buffer.data_ptr() not in pinner.unpinned and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert prepared.buffer.data_ptr() in pinner.unpinned  # the old arena was unpinned, then dropped
+    assert _wait_until(lambda: prepared.buffer.data_ptr() in pinner.unpinned)  # the old arena unpinned, then dropped
     assert_bit_equal(torch.load(path, weights_only=True), checkpoint)
     plugin.teardown()
 

@@ -43,15 +43,18 @@ def stager_survives_staging() -> bool:
     return True
 
 
-def has_default_stager() -> bool:
-    """Whether this torch has DCP's ``DefaultStager`` (staging on a thread of its own, reusable, pinned). torch 2.7's
-    ``async_save`` has no stager argument: it copies the state to CPU memory on the calling thread, then writes on a
-    thread."""
+def staging_options() -> Any:
+    """The options of the benchmarks' DCP ``DefaultStager``: staging on a thread of its own, into pinned memory with
+    non-blocking copies where CUDA is present. None where this torch has no ``DefaultStager`` (torch 2.7: its
+    ``async_save`` has no stager argument and copies the state to CPU memory on the calling thread)."""
     try:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: F401
     except ImportError:
-        return False
-    return True
+        return None
+    cuda = torch.cuda.is_available()
+    return StagingOptions(
+        use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda
+    )
 
 
 class DcpAsyncIO(CheckpointIO):
@@ -68,18 +71,10 @@ class DcpAsyncIO(CheckpointIO):
     def __init__(self, recorder: Recorder) -> None:
         super().__init__()
         self.recorder = recorder
-        self.staging_options: Any = None
-        self.reuse_stager = True
-        self.stager: Any = None  # None: this torch's async_save stages on the calling thread (has_default_stager)
-        if has_default_stager():
-            from torch.distributed.checkpoint.staging import StagingOptions
-
-            cuda = torch.cuda.is_available()
-            self.staging_options = StagingOptions(
-                use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda
-            )
-            self.reuse_stager = stager_survives_staging()
-            self.stager = self._new_stager()
+        self.staging_options = staging_options()
+        # No stager: this torch's async_save stages on the calling thread (see staging_options).
+        self.reuse_stager = self.staging_options is None or stager_survives_staging()
+        self.stager: Any = None if self.staging_options is None else self._new_stager()
         self.stager_used = False
         self.staging: list[tuple[Any, dict[str, Any]]] = []
         self.uploads: list[Any] = []

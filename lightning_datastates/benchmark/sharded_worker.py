@@ -31,7 +31,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning_datastates import DataStatesIO
 from lightning_datastates._gpt import GPT
 from lightning_datastates.benchmark.choices import MODELS, SEED
-from lightning_datastates.benchmark.dcp import has_default_stager, stager_survives_staging
+from lightning_datastates.benchmark.dcp import stager_survives_staging, staging_options
 from lightning_datastates.benchmark.worker import peak_rss_bytes, process_cpu_s, reset_peak_rss
 from lightning_datastates.compat.torch import local_shard
 
@@ -108,14 +108,11 @@ class AsyncDcpSaves(Callback):
         from torch.distributed.checkpoint.state_dict_saver import async_save
 
         # Without DCP's DefaultStager (torch 2.7), async_save stages on the calling thread: measured as it is.
-        staged_here = not has_default_stager()
+        options = staging_options()
+        staged_here = options is None
         if not staged_here:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            from torch.distributed.checkpoint.staging import DefaultStager
 
-            cuda = torch.cuda.is_available()
-            options = StagingOptions(
-                use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda
-            )
             reuse = stager_survives_staging()
         group = dist.new_group(backend="gloo")
         strategy = trainer.strategy

@@ -105,7 +105,6 @@ class ArenaPinning:
         self._pid = os.getpid()  # a forked child inherits this object, not the locked range
         self._pieces = cut_at_pin_boundaries(address, nbytes)  # the boundaries the copier cuts at, read once
         self._locked: list[tuple[int, int]] = []  # pieces pinned and not yet unpinned, in address order
-        self._locked_bytes = 0
         self._released = False  # no piece is locked after this is set
         self._released_here = False  # released on the pinning thread itself: it unpins what it locks afterwards
         #: Set once the pinning ended: every piece pinned, or stopped by a failure or a release.
@@ -121,13 +120,16 @@ class ArenaPinning:
     def pinned(self) -> bool:
         """Whether the whole range is page-locked now."""
         with self._lock:
-            return self._locked_bytes == self.nbytes and not self._released
+            return self._bytes_locked() == self.nbytes and not self._released
 
     @property
     def pinned_bytes(self) -> int:
         """Bytes page-locked now, from the start of the range (the pieces are locked in address order)."""
         with self._lock:
-            return self._locked_bytes
+            return self._bytes_locked()
+
+    def _bytes_locked(self) -> int:
+        return sum(nbytes for _, nbytes in self._locked)  # a few pieces per GiB: summed when asked
 
     def _run(self, memory: object) -> None:
         try:
@@ -138,7 +140,6 @@ class ArenaPinning:
                 self._pinner.pin(address, nbytes)
                 with self._lock:
                     self._locked.append((address, nbytes))
-                    self._locked_bytes += nbytes
         except Exception as exc:  # noqa: BLE001 - pinning only speeds copies up: log it, keep the pageable path
             log.warning(
                 "lightning_datastates: could not page-lock the host arena (%d of %d bytes locked): %s; copies from "
@@ -181,7 +182,6 @@ class ArenaPinning:
                 if not self._locked:
                     return
                 address, nbytes = self._locked.pop(0)
-                self._locked_bytes -= nbytes
             try:
                 self._pinner.unpin(address)
             except Exception as exc:  # noqa: BLE001 - the other pieces must still be unpinned before the memory goes
