@@ -15,9 +15,10 @@ plugin; ``--ckpt-dir D``: save into D (``s3://...`` with ``--storage-options JSO
 ``--fail-staging-rank R``: rank R's 3rd sharded save fails while staging, on its training thread; ``--no-last``: no
 ``last.ckpt``, so one save per step (a second save of a step would wait for the first's copies,
 which these slowed copies make long, and hide a missing barrier). ``LDS_BROKEN=barrier``: the plugin's barrier
-returns at once (the contract test must then fail). Copies are slowed (20 ms per lazily copied piece) so that they
-outlast a step, as on a real model. Each rank writes the names of the threads DCP's planning collectives ran on to
-``OUT/planning<r>.json``.
+returns at once and each lazy copy waits until the optimizer has stepped after its save (the race a missing barrier
+loses on a real model, lost here whatever the machine's load): the contract test must fail. Copies are slowed (20 ms
+per lazily copied piece) so that they outlast a step, as on a real model. Each rank writes the names of the threads
+DCP's planning collectives ran on to ``OUT/planning<r>.json``.
 """
 
 from __future__ import annotations
@@ -100,9 +101,58 @@ class Recorder(Callback):
         self.saved[trainer.global_step] = local_state(checkpoint)
 
 
-def slow_copies() -> None:
+class StepGate(Callback):
+    """``LDS_BROKEN=barrier``: holds each lazy copy until the optimizer has stepped after that copy's save.
+
+    That is the race a missing barrier loses on a real model (copies outlast forward and backward); the sleeps alone
+    lose it only while steps stay fast, so a loaded machine could hide the broken barrier. Held, every save but the
+    last differs from its save call. Every save copies each lazy piece once, in save order (the broken barrier still
+    closes the window in which later saves may share a copy): the n-th copy of a piece belongs to the n-th save. Used
+    only in the broken variant: with the plugin's barrier a held copy would hold the barrier too (a copy is let go
+    after ``HOLD_LIMIT_S``).
+    """
+
+    HOLD_LIMIT_S = 10.0
+
+    def __init__(self) -> None:
+        self._trainer: L.Trainer | None = None
+        self._save_steps: list[int] = []
+        self._copies: dict[tuple[int, int], int] = {}
+        self._lock = threading.Lock()
+        self._ended = threading.Event()
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        self._trainer = trainer
+        self._save_steps.append(trainer.global_step)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # The last save has no step after it. Released before on_train_end, where the plugin's callback drains.
+        if trainer.current_epoch + 1 >= (trainer.max_epochs or 0):
+            self._ended.set()
+
+    def hold(self, piece: tuple[int, int]) -> None:
+        """On a copy thread: return once the optimizer stepped after the save this copy of ``piece`` (source address,
+        offset) is for."""
+        with self._lock:
+            save = self._copies.get(piece, 0)
+            self._copies[piece] = save + 1
+        if self._trainer is None or save >= len(self._save_steps):
+            return
+        deadline = time.monotonic() + self.HOLD_LIMIT_S
+        while self._trainer.global_step <= self._save_steps[save]:
+            if self._ended.wait(0.001) or time.monotonic() > deadline:
+                return
+
+
+def skip_the_wait(engine: SnapshotEngine, attribute: bool = True) -> float:
+    """``LDS_BROKEN=barrier``'s barrier: it closes the sharing window as the real one does, but waits for nothing."""
+    engine._sharing.close_window()
+    return 0.0
+
+
+def slow_copies(gate: StepGate | None) -> None:
     """Each piece above 1 KiB (the lazily copied ones) waits 20 ms first: copies outlast a training step of this tiny
-    model."""
+    model. With ``gate``, a lazy copy off the training thread then waits for the gate."""
     original = copier_module.CpuCopier.copy_pieces
 
     def slow_copy(self, block, pieces, sources, mark):  # type: ignore[no-untyped-def]
@@ -110,6 +160,8 @@ def slow_copies() -> None:
         for piece in pieces:
             if piece.nbytes > 1024:  # the lazy ones: the save call itself stays short
                 time.sleep(0.02)
+                if gate is not None and threading.current_thread() is not threading.main_thread():
+                    gate.hold((sources[piece.key].data_ptr(), piece.source_offset))
             crcs.update(original(self, block, [piece], sources, mark))
         return crcs
 
@@ -201,9 +253,10 @@ def main() -> None:
     args = parser.parse_args()
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.set_num_threads(1)
-    slow_copies()
-    if os.environ.get("LDS_BROKEN") == "barrier":
-        SnapshotEngine.wait_copies = lambda self, attribute=True: 0.0  # type: ignore[method-assign]
+    gate = StepGate() if os.environ.get("LDS_BROKEN") == "barrier" else None
+    slow_copies(gate)
+    if gate is not None:
+        SnapshotEngine.wait_copies = skip_the_wait  # type: ignore[method-assign]
     planning_threads = record_planning_threads()
     if args.fail_staging_rank == rank:
         failing_staging()
@@ -227,7 +280,7 @@ def main() -> None:
         devices=args.world,
         strategy=ModelParallelStrategy(data_parallel_size=args.world, tensor_parallel_size=1),
         plugins=[] if args.sync else [plugin],
-        callbacks=[checkpoint, recorder],
+        callbacks=[checkpoint, recorder, *([gate] if gate is not None else [])],
         max_epochs=args.epochs,
         logger=False,
         enable_progress_bar=False,
