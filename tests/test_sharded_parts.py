@@ -349,3 +349,60 @@ def test_dcp_local_plan_is_reused_only_while_every_input_of_it_is_the_same(one_r
         without_grad = stage_shard(state(), 0, plans, local_plans)[0].plan.items
         assert without_grad == fresh(state()).items != reused.items
     assert local_plans.hits == 1
+
+
+def test_items_resolve_to_the_tensors_dcp_resolves_and_only_bytes_go_through_dcp(one_rank_mesh, monkeypatch):
+    """The staging resolves tensor items itself (DCP's ``to_local()`` per item is most of its cost): the same bytes,
+    storage, offset, shape and strides as DCP's own resolution; a DTensor with a partial placement is left to DCP."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    import lightning_datastates.sharded.staging as staging
+
+    weight = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), one_rank_mesh, [Shard(0)]))
+    moment = distribute_tensor(torch.randn(8, 4), one_rank_mesh, [Replicate()])
+    state = {"model": {"w": weight, "b": torch.arange(6.0)[2:]}, "optim": {"m": moment, "lr": 0.1, "step": 3}}
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state, storage_meta=None, is_coordinator=True)
+    items = planner.create_local_plan().items
+    through_dcp = []
+    dcp_resolve = planner.resolve_data
+    monkeypatch.setattr(planner, "resolve_data", lambda item: through_dcp.append(item.index.fqn) or dcp_resolve(item))
+    for item in items:
+        ours, theirs = staging._resolve(planner, item), dcp_resolve(item)
+        if isinstance(theirs, io.BytesIO):
+            assert isinstance(ours, io.BytesIO) and ours.getvalue() == theirs.getvalue()
+            continue
+        assert (ours.untyped_storage().data_ptr(), ours.storage_offset()) == (
+            theirs.untyped_storage().data_ptr(),
+            theirs.storage_offset(),
+        )
+        assert (ours.shape, ours.stride(), ours.dtype) == (theirs.shape, theirs.stride(), theirs.dtype)
+        assert_bit_equal(ours.detach(), theirs.detach(), item.index.fqn)
+    assert sorted(through_dcp) == ["optim.lr", "optim.step"]  # the byte items only
+
+    # DCP's planning refuses partial placements already; were one resolved, DCP's refusal would still come.
+    planner.state_dict["model.w"] = DTensor.from_local(torch.randn(8, 4), one_rank_mesh, [Partial()])
+    (item,) = [item for item in items if item.index.fqn == "model.w"]
+    with pytest.raises(ValueError, match="partial"):
+        staging._resolve(planner, item)
+
+
+def test_a_dtensors_local_shard_is_what_to_local_gives(one_rank_mesh):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from lightning_datastates.compat.torch import local_shard
+
+    weight = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), one_rank_mesh, [Shard(0)]))
+    with torch.no_grad():
+        expected = weight.to_local()
+    shard = local_shard(weight)
+    assert (shard.untyped_storage().data_ptr(), shard.storage_offset(), shard.shape, shard.stride()) == (
+        expected.untyped_storage().data_ptr(),
+        expected.storage_offset(),
+        expected.shape,
+        expected.stride(),
+    )
+    assert not shard.requires_grad and shard.grad_fn is None
+    plain = torch.zeros(3)
+    assert local_shard(plain) is plain
