@@ -7,7 +7,10 @@ preset has 24) at width 64, AdamW stepped once (two moments and a step per param
 as Lightning's. Prints the median over ``--rounds`` plans, after warm-up plans, and the cost
 per tensor; the step counter changes between plans, as between saves.
 
-    python3 scripts/bench_save_call.py [--layers 24] [--rounds 20]
+``--sharded`` times a sharded save's staging instead (every tensor a DTensor on a one-rank gloo mesh): DCP's local
+plan, each item resolved to its local tensor, the shard file planned.
+
+    python3 scripts/bench_save_call.py [--layers 24] [--rounds 20] [--sharded]
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -54,27 +59,63 @@ def count_tensors(value: object) -> int:
     return 0
 
 
+def as_dtensors(value: Any, mesh: Any) -> Any:
+    """``value`` with every tensor of one or more dimensions made a DTensor sharded on dim 0 over ``mesh`` (as FSDP2
+    holds parameters and optimizer moments); scalars (AdamW's steps) stay plain."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    if isinstance(value, torch.Tensor):
+        return distribute_tensor(value, mesh, [Shard(0)]) if value.dim() else value
+    if isinstance(value, dict):
+        return {key: as_dtensors(item, mesh) for key, item in value.items()}
+    if isinstance(value, list):
+        return [as_dtensors(item, mesh) for item in value]
+    return value
+
+
+def timed(plan: Callable[[], object], checkpoint: dict, rounds: int) -> float:
+    """The median seconds of ``plan()`` over ``rounds`` calls, after three (the first plans of a structure also run
+    self-checks and fill caches); the step counter changes between calls, as between saves."""
+    for _ in range(3):
+        plan()
+    durations = []
+    for _ in range(rounds):
+        checkpoint["global_step"] += 1
+        started = time.perf_counter()
+        plan()
+        durations.append(time.perf_counter() - started)
+    return statistics.median(durations)
+
+
 def main() -> None:
     """Run the measurement and print it."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--sharded", action="store_true", help="time a sharded save's staging (one-rank gloo mesh)")
     args = parser.parse_args()
     checkpoint = llm_shaped_checkpoint(args.layers)
     tensors = count_tensors(checkpoint)
-    planner = LayoutPlanner(alignment=None)
-    for _ in range(3):  # the first plan of a structure also runs the self-check
-        planner.plan(checkpoint)
-    durations = []
-    for _ in range(args.rounds):
-        checkpoint["global_step"] += 1
-        started = time.perf_counter()
-        planner.plan(checkpoint)
-        durations.append(time.perf_counter() - started)
-    median = statistics.median(durations)
+    if args.sharded:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from lightning_datastates.sharded.layout import ArchivePlans
+        from lightning_datastates.sharded.staging import LocalPlans, stage_shard
+
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        checkpoint = as_dtensors(checkpoint, init_device_mesh("cpu", (1,)))
+        plans, local_plans = ArchivePlans(None), LocalPlans()
+        median = timed(lambda: stage_shard(checkpoint, 0, plans, local_plans), checkpoint, args.rounds)
+        dist.destroy_process_group()
+        what = "sharded staging (DCP's local plan, items resolved, shard file planned)"
+    else:
+        planner = LayoutPlanner(alignment=None)
+        median = timed(lambda: planner.plan(checkpoint), checkpoint, args.rounds)
+        what = "layout plan"
     print(
-        f"layout plan of a checkpoint of {tensors} tensors ({args.layers} blocks): median {1000 * median:.1f} ms "
-        f"over {args.rounds} plans ({1e6 * median / tensors:.1f} us per tensor); torch {torch.__version__}"
+        f"{what} of a checkpoint of {tensors} tensors ({args.layers} blocks): median {1000 * median:.1f} ms "
+        f"over {args.rounds} calls ({1e6 * median / tensors:.1f} us per tensor); torch {torch.__version__}"
     )
 
 
