@@ -24,6 +24,7 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
+from lightning_datastates.compat.torch import local_shard
 from lightning_datastates.sharded.dcp_writer import ShardFileName, StagedShard, item_key, shard_file_name
 from lightning_datastates.sharded.layout import ArchivePlans, ShardFilePlan, plan_shard_file
 
@@ -96,13 +97,13 @@ def _structure(state_dict: dict[str, Any]) -> list[tuple[Any, ...]] | None:
     structure: list[tuple[Any, ...]] = [(torch.is_grad_enabled(),)]
     for fqn, obj in state_dict.items():
         if isinstance(obj, DTensor):
-            local = getattr(obj, "_local_tensor", None)  # to_local() without autograd's cost; absent: not cached
-            if type(obj) is not DTensor or not isinstance(local, torch.Tensor):
+            if type(obj) is not DTensor:
                 return None
+            local = local_shard(obj)  # its local tensor, without to_local()'s autograd cost
             key = (fqn, obj.shape, obj.device_mesh, obj.placements, obj.dtype, obj.requires_grad, local.layout)
             structure.append((*key, local.dtype, local.is_pinned()))
         elif isinstance(obj, torch.Tensor):
-            if type(obj) not in (torch.Tensor, torch.nn.Parameter):
+            if type(obj) not in _PLAIN_TENSORS:
                 return None
             structure.append((fqn, obj.shape, obj.dtype, obj.layout, obj.requires_grad, obj.is_pinned()))
         elif hasattr(obj, "__create_write_items__"):
@@ -126,9 +127,9 @@ def _resolve(planner: DefaultSavePlanner, item: WriteItem) -> torch.Tensor | io.
     if item.type != WriteItemType.BYTE_IO:
         obj = planner.state_dict.get(item.index.fqn)
         if type(obj) is DTensor:
-            local = getattr(obj, "_local_tensor", None)
+            local = local_shard(obj)
             if type(local) in _PLAIN_TENSORS and not any(p.is_partial() for p in obj.placements):
-                return cast(torch.Tensor, local)
+                return local
         elif type(obj) in _PLAIN_TENSORS and (item.index.offset is None or not any(item.index.offset)):
             return cast(torch.Tensor, obj)
     return planner.resolve_data(item)
