@@ -53,6 +53,7 @@ class DataStatesCallback(Callback):
         self._armed = False  # inside the training loop, where the barriers below are guaranteed to run
         self._patched: list[ModelCheckpoint] = []
         self._arena_requested = False  # prepare_arena was called for this fit (or this rank saves nothing)
+        self._planning_prepared = False  # prepare_planning likewise
         self._metrics = CheckpointMetrics()
 
     # ------------------------------------------------------------------ wiring
@@ -124,13 +125,9 @@ class DataStatesCallback(Callback):
         if plugin is None or self._arena_requested:
             return
         self._arena_requested = True
-        strategy = trainer.strategy
-        if bypass_reason(strategy) is not None or not trainer.checkpoint_callbacks:
-            return  # no save of this fit reaches the plugin (a manual save makes the arena, as without preparation)
-        if not plugin.saves_sharded and (not trainer.is_global_zero or gathers_full_state(strategy)):
-            return  # this rank saves nothing, or saves state gathered from every rank: its own does not tell the size
-        weights_only = all(getattr(c, "save_weights_only", False) for c in trainer.checkpoint_callbacks)
-        state = checkpoint_state_tensors(trainer, with_optimizer_state=not weights_only)
+        if not self._saves_own_state(trainer, plugin):
+            return
+        state = checkpoint_state_tensors(trainer, with_optimizer_state=not _weights_only(trainer))
         try:
             # A rank saving shards copies their local parts.
             request = state_request_bytes(local_shard(tensor) for tensor in state)
@@ -139,12 +136,37 @@ class DataStatesCallback(Callback):
             return
         plugin.prepare_arena(request)
 
+    def _prepare_planning(self, trainer: Trainer) -> None:
+        """Once per fit, after the first optimizer step (the optimizers' state exists): have the plugin compare its
+        layout planner's fast path with ``torch.save`` on the model's and optimizers' state dicts now, on a rank that
+        saves single files through it, so that this one-time comparison is not part of the first save call."""
+        plugin = self._plugin
+        if plugin is None or self._planning_prepared:
+            return
+        self._planning_prepared = True
+        if plugin.saves_sharded or not self._saves_own_state(trainer, plugin) or trainer.lightning_module is None:
+            return
+        sample: dict[str, Any] = {"state_dict": trainer.lightning_module.state_dict()}
+        if not _weights_only(trainer):
+            sample["optimizer_states"] = [optimizer.state_dict() for optimizer in trainer.optimizers]
+        plugin.prepare_planning(sample)
+
+    @staticmethod
+    def _saves_own_state(trainer: Trainer, plugin: DataStatesIO) -> bool:
+        """Whether this rank's saves of this fit reach the plugin and hold this rank's own training state."""
+        strategy = trainer.strategy
+        if bypass_reason(strategy) is not None or not trainer.checkpoint_callbacks:
+            return False  # no save of this fit reaches the plugin (a manual save prepares itself, as before)
+        # Otherwise this rank saves nothing, or saves state gathered from every rank: its own does not tell.
+        return plugin.saves_sharded or (trainer.is_global_zero and not gathers_full_state(strategy))
+
     # ------------------------------------------------------------------ barriers
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Arm lazy copies: from here on the barriers below run before any optimizer step."""
         self._check()
         self._armed = self._plugin is not None
         self._arena_requested = False
+        self._planning_prepared = False
         if self._plugin is not None and self._plugin.config.host_cache is not None:
             self._prepare_arena(trainer)  # its size is the user's: known now
 
@@ -159,6 +181,7 @@ class DataStatesCallback(Callback):
         before ModelCheckpoint's save of the same batch (this callback runs first)."""
         if trainer.global_step >= 1:
             self._prepare_arena(trainer)
+            self._prepare_planning(trainer)
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         """The main barrier: the optimizer is about to update the state being copied."""
@@ -256,3 +279,8 @@ def find_plugin(trainer: Trainer) -> DataStatesIO | None:
 def callbacks_factory() -> list[Callback]:
     """Entry point for ``lightning.pytorch.callbacks_factory``: one idle-unless-needed callback per Trainer."""
     return [DataStatesCallback()]
+
+
+def _weights_only(trainer: Trainer) -> bool:
+    """Whether every checkpoint callback of ``trainer`` saves weights only (no optimizer state)."""
+    return all(getattr(callback, "save_weights_only", False) for callback in trainer.checkpoint_callbacks)

@@ -281,6 +281,13 @@ class DataStatesIO(CheckpointIO):
         Training thread, on a rank that saves through this plugin."""
         self.engine.prepare_arena(request_bytes)
 
+    def prepare_planning(self, sample: Any) -> None:
+        """Have the layout planner compare its fast path with ``torch.save`` on ``sample`` (the training state) before
+        the first save, not during it (see :meth:`SnapshotEngine.prepare_planning
+        <lightning_datastates.snapshot.engine.SnapshotEngine.prepare_planning>`). Training thread, on a rank that
+        saves single files through this plugin."""
+        self.engine.prepare_planning(sample)
+
     @property
     def saves_sharded(self) -> bool:
         """Whether every rank saves its own shards through this plugin now (sharded FSDP, ModelParallel)."""

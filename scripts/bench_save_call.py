@@ -1,11 +1,13 @@
 """The save call's fixed cost at an LLM's tensor count: planning the file layout of a checkpoint.
 
-The training thread plans each checkpoint's layout during the save call (``torch.save`` of the structure under
-``skip_data``: every tensor is pickled, its bytes are not). That cost grows with the number of tensors, not their
-size, so a narrow model with an LLM's depth measures it: the benchmark's GPT with ``--layers`` blocks (its 368M-llm
-preset has 24) at width 64, AdamW stepped once (two moments and a step per parameter), in a checkpoint dict shaped
-as Lightning's. Prints the median over ``--rounds`` plans, after warm-up plans, and the cost
-per tensor; the step counter changes between plans, as between saves.
+The training thread plans each checkpoint's layout during the save call: it pickles the structure (every tensor is
+pickled, its bytes are not). That cost grows with the number of tensors, not their size, so a narrow model with an
+LLM's depth measures it: the benchmark's GPT with ``--layers`` blocks (its 368M-llm preset has 24) at width 64, AdamW
+stepped once (two moments and a step per parameter), in a checkpoint dict shaped as Lightning's. Prints the median
+over ``--rounds`` plans, after warm-up plans, and the cost per tensor; the step counter changes between plans, as
+between saves. Two planners side by side, in alternating calls: the package's (its fast path: ``data.pkl`` pickled
+by ``capture/skeleton.py`` and spliced into the archive planned before) and the same planner with the fast path
+turned off (``torch.save`` under ``skip_data``, as before the fast path), with their ratio.
 
 ``--sharded`` times a sharded save's staging instead (every tensor a DTensor on a one-rank gloo mesh): DCP's local
 plan, each item resolved to its local tensor, the shard file planned.
@@ -73,18 +75,21 @@ def as_dtensors(value: Any, mesh: Any) -> Any:
     return value
 
 
-def timed(plan: Callable[[], object], checkpoint: dict, rounds: int) -> float:
-    """The median seconds of ``plan()`` over ``rounds`` calls, after three (the first plans of a structure also run
-    self-checks and fill caches); the step counter changes between calls, as between saves."""
-    for _ in range(3):
-        plan()
-    durations = []
+def timed(plans: list[Callable[[], object]], checkpoint: dict, rounds: int) -> list[float]:
+    """The median seconds of each of ``plans`` over ``rounds`` calls each, after three (the first plans of a structure
+    also run self-checks and fill caches), the plans called in turn; the step counter changes between calls, as
+    between saves."""
+    for plan in plans:
+        for _ in range(3):
+            plan()
+    durations: list[list[float]] = [[] for _ in plans]
     for _ in range(rounds):
-        checkpoint["global_step"] += 1
-        started = time.perf_counter()
-        plan()
-        durations.append(time.perf_counter() - started)
-    return statistics.median(durations)
+        for plan, times in zip(plans, durations, strict=True):
+            checkpoint["global_step"] += 1
+            started = time.perf_counter()
+            plan()
+            times.append(time.perf_counter() - started)
+    return [statistics.median(times) for times in durations]
 
 
 def main() -> None:
@@ -106,16 +111,25 @@ def main() -> None:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         checkpoint = as_dtensors(checkpoint, init_device_mesh("cpu", (1,)))
         plans, local_plans = ArchivePlans(None), LocalPlans()
-        median = timed(lambda: stage_shard(checkpoint, 0, plans, local_plans), checkpoint, args.rounds)
+        (median,) = timed([lambda: stage_shard(checkpoint, 0, plans, local_plans)], checkpoint, args.rounds)
         dist.destroy_process_group()
-        what = "sharded staging (DCP's local plan, items resolved, shard file planned)"
-    else:
-        planner = LayoutPlanner(alignment=None)
-        median = timed(lambda: planner.plan(checkpoint), checkpoint, args.rounds)
-        what = "layout plan"
+        report("sharded staging (DCP's local plan, items resolved, shard file planned)", median, tensors, args.layers)
+        return
+    planner, by_torch = LayoutPlanner(alignment=None), LayoutPlanner(alignment=None, fast_path=False)
+    fast, slow = timed([lambda: planner.plan(checkpoint), lambda: by_torch.plan(checkpoint)], checkpoint, args.rounds)
+    verified = planner._verified_structures
+    if not verified.confirmed or verified.spliced == 0:
+        raise SystemExit(f"the fast path was not taken (refused: {verified.refused}, spliced: {verified.spliced})")
+    report("layout plan", fast, tensors, args.layers)
+    report("layout plan by torch.save (fast path off)", slow, tensors, args.layers)
+    print(f"fast path / torch.save: {fast / slow:.2f}")
+
+
+def report(what: str, median: float, tensors: int, layers: int) -> None:
+    """Print one measurement."""
     print(
-        f"{what} of a checkpoint of {tensors} tensors ({args.layers} blocks): median {1000 * median:.1f} ms "
-        f"over {args.rounds} calls ({1e6 * median / tensors:.1f} us per tensor); torch {torch.__version__}"
+        f"{what} of a checkpoint of {tensors} tensors ({layers} blocks): median {1000 * median:.1f} ms "
+        f"({1e6 * median / tensors:.1f} us per tensor); torch {torch.__version__}"
     )
 
 

@@ -190,3 +190,26 @@ def _save_then_step_then_check(plugin: DataStatesIO, weight: torch.Tensor, path:
     weight.add_(1.0)
     plugin.drain()
     assert torch.equal(torch.load(path, weights_only=True, map_location="cpu")["w"], expected)
+
+
+def test_the_save_calls_fast_pickling_reproduces_torch_save_for_cuda_tensors():
+    """The fast path names a CUDA storage's location with a new string each time, as torch does (the pickle's memo
+    compares identities): its first plan is compared with torch.save's and must be taken (confirmed, not refused),
+    and the next one spliced."""
+    from lightning_datastates.capture.layout import VerifiedStructures, plan_layout
+    from lightning_datastates.capture.skeleton import pickle_skeleton
+
+    weights = torch.randn(64, 64, device="cuda")
+    checkpoint = {
+        "w": weights,
+        "w_t": weights.t(),
+        "b": torch.zeros(64, device="cuda"),
+        "step": 1,
+        "cpu": torch.ones(3),
+    }
+    verified = VerifiedStructures()
+    plan_layout(checkpoint, verified=verified)
+    checkpoint["step"] = 2
+    plan_layout(checkpoint, verified=verified)
+    assert (verified.confirmed, verified.refused, verified.spliced) == (True, None, 1)
+    assert b"cuda:" in pickle_skeleton(checkpoint).data

@@ -17,7 +17,13 @@ Saves during training repeat the same structure (the same storages in the same o
 length), so the plan differs only in content, never in where anything lies. :class:`VerifiedStructures` remembers
 the structures already checked; a plan whose structural bytes (every byte except the payloads of the records that are
 not storages, such as ``data.pkl``, and their CRC-32 fields) equal one of them skips the self-check and the archive
-index, about a third of the planning time.
+index.
+
+The fast path (:func:`plan_layout`, with a :class:`VerifiedStructures`): most of ``torch.save``'s time is its Python
+pickling of each tensor, so :mod:`~lightning_datastates.capture.skeleton` pickles ``data.pkl`` as torch would, in a
+fraction of the time, and the archive around it comes from torch's own zip writer, or, for a ``data.pkl`` of a length
+seen before with the same storage sizes, from an earlier plan with the new ``data.pkl`` spliced in. The first such
+archive is compared byte for byte with ``torch.save``'s; a difference turns the fast path off.
 
 Checksums: under ``skip_data`` torch cannot know the payloads' CRC-32s, so the layout leaves every non-empty
 record's CRC-32 fields (central directory entry and data descriptor) out of the metadata and lists them as
@@ -35,17 +41,22 @@ import contextlib
 import io
 import threading
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from lightning_datastates.archive import ArchiveFormatError, read_archive_index
+from lightning_datastates.capture.skeleton import PickledSkeleton, pickle_skeleton
 from lightning_datastates.compat.torch import (
     TorchArchiveReader,
+    current_storage_alignment,
+    open_archive_writer,
     recording_pickle_module,
+    records_after_pickle,
     save_storage_alignment,
     skip_data,
+    storage_identity,
 )
 from lightning_datastates.streams import SegmentReader
 
@@ -127,22 +138,114 @@ def plan_layout(
 
     With ``alignment``, every storage's data starts at a file offset that is a multiple of it (see
     :func:`storage_alignment`). With ``verified``, a plan of a structure checked before skips the self-check (and
-    a new structure is remembered there once checked).
+    a new structure is remembered there once checked), and the fast path below is taken.
 
-    One pickling pass: torch's own ``persistent_id`` names each storage's record key, and a pickler base class
-    (:func:`~lightning_datastates.compat.torch.recording_pickle_module`) writes down which storage got which key, so
-    the mapping is torch's, not a guess. Pickling errors propagate as they are (the caller decides what they mean).
+    The archive comes from one of three sources, fastest first:
+
+    1. with ``verified``, the checkpoint's ``data.pkl`` pickled by :mod:`~lightning_datastates.capture.skeleton`
+       (torch's pickling, reproduced) and spliced into an archive planned before for a ``data.pkl`` of the same
+       length and the same storage sizes (:meth:`VerifiedStructures.splice`): torch's zip writer places every record
+       by names and lengths alone, so only ``data.pkl``'s bytes differ (and torch's serialization id, a fingerprint it
+       only logs on load, stays the one of the earlier archive);
+    2. that ``data.pkl`` written with its storages' records by torch's own zip writer, in ``torch.save``'s record
+       order; the first time per ``verified``, also planned by ``torch.save`` itself and compared byte for byte (a
+       difference turns the fast path off for good, :attr:`VerifiedStructures.refused`);
+    3. ``torch.save`` itself under ``skip_data``: without ``verified``, for checkpoints the fast path does not
+       reproduce (:class:`~lightning_datastates.capture.skeleton.SkeletonUnsupported`), and after a refusal. torch's
+       own ``persistent_id`` names each storage's record key, and a pickler base class
+       (:func:`~lightning_datastates.compat.torch.recording_pickle_module`) writes down which storage got which key.
+
+    Pickling errors propagate as ``torch.save`` raises them (the caller decides what they mean).
 
     Raises:
         LayoutUnsupported: torch refused ``skip_data`` for this checkpoint (quantized tensors, storage-less
             backends), or the plan failed its self-check.
     """
+    fast = verified is not None and verified.fast_path and verified.refused is None
+    skeleton = _pickle_or_none(checkpoint) if fast else None
+    if skeleton is None:
+        sink, storages = _archive_by_torch(checkpoint, alignment)
+        return _layout_of_archive(sink, storages, alignment, verified), storages
+    assert verified is not None  # a skeleton is pickled only with a cache to splice into
+    template = _template_key(skeleton, alignment)
+    spliced = verified.splice(template, skeleton.data)
+    if spliced is not None:
+        return spliced, skeleton.storages
+    sink, storages = _archive_of_skeleton(skeleton, alignment), skeleton.storages
+    if not verified.confirmed:
+        reference, reference_storages = _archive_by_torch(checkpoint, alignment)
+        difference = _archive_difference(sink, storages, reference, reference_storages)
+        verified.settle(difference)
+        if difference is not None:
+            return _layout_of_archive(reference, reference_storages, alignment, verified), reference_storages
+    layout = _layout_of_archive(sink, storages, alignment, verified)
+    verified.keep_template(template, layout, sink.structure())
+    return layout, storages
+
+
+def _pickle_or_none(checkpoint: Any) -> PickledSkeleton | None:
+    """The checkpoint's ``data.pkl`` by the fast path; None when it does not reproduce the checkpoint, or pickling
+    fails (``torch.save`` then raises the error as it is)."""
+    try:
+        return pickle_skeleton(checkpoint)
+    except Exception:  # noqa: BLE001 - SkeletonUnsupported, or an object that cannot be pickled: torch decides
+        return None
+
+
+def _archive_by_torch(checkpoint: Any, alignment: int | None) -> tuple[_LayoutSink, list[torch.UntypedStorage]]:
+    """The archive ``torch.save`` writes under ``skip_data``, and its storages by record key."""
     sink = _LayoutSink()
     storages_by_key: dict[int, torch.UntypedStorage] = {}
     with skip_data(), storage_alignment(alignment):
         # torch.save needs only write() and flush() of its target.
         torch.save(checkpoint, sink, pickle_module=recording_pickle_module(storages_by_key))  # type: ignore[arg-type]
-    storages = [storages_by_key[key] for key in range(len(storages_by_key))]
+    return sink, [storages_by_key[key] for key in range(len(storages_by_key))]
+
+
+def _archive_of_skeleton(skeleton: PickledSkeleton, alignment: int | None) -> _LayoutSink:
+    """The archive torch's zip writer makes of ``skeleton``, its records in ``torch.save``'s order, the storages'
+    data skipped (as under ``skip_data``)."""
+    sink = _LayoutSink()
+    with storage_alignment(alignment), open_archive_writer(sink) as archive:
+        archive.write_record("data.pkl", skeleton.data, len(skeleton.data))
+        for name, content in records_after_pickle():
+            archive.write_record(name, content, len(content))
+        for key, storage in enumerate(skeleton.storages):
+            archive.write_record_metadata(f"data/{key}", storage.nbytes())
+    return sink
+
+
+def _archive_difference(
+    sink: _LayoutSink,
+    storages: list[torch.UntypedStorage],
+    reference: _LayoutSink,
+    reference_storages: list[torch.UntypedStorage],
+) -> str | None:
+    """How the fast path's archive differs from ``torch.save``'s; None when they are the same bytes, the same holes
+    and the same storages under the same keys."""
+    if [storage_identity(s) for s in storages] != [storage_identity(s) for s in reference_storages]:
+        return f"{len(storages)} storages numbered otherwise than torch's {len(reference_storages)}"
+    if (sink.holes, sink.size) != (reference.holes, reference.size):
+        return f"an archive of {sink.size} bytes where torch's has {reference.size}, or its holes elsewhere"
+    ours, torchs = sink.segments, reference.segments
+    if ours != torchs:
+        at = next((o for (o, a), (_, b) in zip(ours, torchs, strict=False) if a != b), min(len(ours), len(torchs)))
+        return f"bytes that differ from torch's from the metadata segment at {at}"
+    return None
+
+
+def _template_key(skeleton: PickledSkeleton, alignment: int | None) -> tuple[Any, ...]:
+    """What torch's zip writer places records by: the length of ``data.pkl``, every storage's size (the names and
+    the other records follow from them) and the storage alignment."""
+    effective = current_storage_alignment() if alignment is None else alignment
+    return len(skeleton.data), tuple(storage.nbytes() for storage in skeleton.storages), effective
+
+
+def _layout_of_archive(
+    sink: _LayoutSink, storages: list[torch.UntypedStorage], alignment: int | None, verified: VerifiedStructures | None
+) -> CheckpointLayout:
+    """The layout of the archive in ``sink`` (its storages by record key): self-checked, unless ``verified`` holds
+    its structure."""
     records = _match_records(sink.holes, storages)
     if alignment is not None and any(r.offset % alignment for r in records if r.nbytes):
         raise LayoutUnsupported(f"torch did not align the records to {alignment} bytes")
@@ -156,13 +259,13 @@ def plan_layout(
             raise LayoutUnsupported("a storage's hole is not exactly one record of the archive")
         if verified is not None:
             verified.add(segments, sink.holes, sink.size, slots)
-    layout = CheckpointLayout(_without_fields(segments, slots), records, sink.size, slots)
-    return layout, storages
+    return CheckpointLayout(_without_fields(segments, slots), records, sink.size, slots)
 
 
 class VerifiedStructures:
     """Archive structures that passed :func:`plan_layout`'s self-check, most recent first (a few: the structures
-    one training run alternates between).
+    one training run alternates between); the archives planned from them that later plans splice into; and whether
+    the fast path (:mod:`~lightning_datastates.capture.skeleton`) matched ``torch.save`` here.
 
     A structure is the file size, the holes, where each metadata segment lies, and every metadata byte except the
     payloads of records that are not storages (``data.pkl``, ``version``, the serialization id, ...) and their CRC-32
@@ -172,13 +275,54 @@ class VerifiedStructures:
     its checksum slots are the same. Thread-safe.
     """
 
-    def __init__(self, capacity: int = 4) -> None:
+    def __init__(self, capacity: int = 4, fast_path: bool = True) -> None:
         self._capacity = capacity
+        #: Whether :func:`plan_layout` may take the fast path with this cache (off: only to measure torch's plan).
+        self.fast_path = fast_path
         self._entries: collections.OrderedDict[tuple[Any, ...], tuple[bytes, tuple[ChecksumSlot, ...]]]
         self._entries = collections.OrderedDict()
+        # Archives to splice into, by template key: the layout, where its data.pkl starts, and its structure's key
+        # in _entries (a template lives as long as its structure: one order of use, one capacity).
+        self._templates: dict[tuple[Any, ...], tuple[CheckpointLayout, int, tuple[Any, ...]]] = {}
         self._lock = threading.Lock()
-        #: Plans that found their structure here (for tests and diagnostics).
+        #: Plans that found their structure here (for tests and diagnostics), and how many of them were spliced.
         self.hits = 0
+        self.spliced = 0
+        #: The fast path's first archive was compared with ``torch.save``'s and was the same.
+        self.confirmed = False
+        #: Why the fast path's archive differed from ``torch.save``'s (it is not taken again); None if it did not.
+        self.refused: str | None = None
+
+    def settle(self, difference: str | None) -> None:
+        """Record the comparison of the fast path's archive with ``torch.save``'s (None: the same)."""
+        with self._lock:
+            self.confirmed, self.refused = difference is None, difference
+
+    def splice(self, key: tuple[Any, ...], data_pkl: bytes) -> CheckpointLayout | None:
+        """The archive kept under ``key`` (see :func:`_template_key`) with ``data_pkl`` in place of its ``data.pkl``;
+        None if none is kept."""
+        with self._lock:
+            entry = self._templates.get(key)
+            if entry is not None and entry[2] not in self._entries:
+                del self._templates[key]  # its structure was pushed out
+                entry = None
+            if entry is None:
+                return None
+            self._entries.move_to_end(entry[2], last=False)
+            self.hits += 1
+            self.spliced += 1
+        layout, data_offset, _ = entry
+        return replace(layout, metadata=_replaced(layout.metadata, data_offset, data_pkl))
+
+    def keep_template(self, key: tuple[Any, ...], layout: CheckpointLayout, structure: tuple[Any, ...]) -> None:
+        """Keep ``layout`` (planned from a ``data.pkl`` and storages of ``key``, of the verified structure whose
+        :func:`_structure_key` is ``structure``) for later plans to splice into, while that structure is kept."""
+        data_offset = next((slot.data_offset for slot in layout.checksums if slot.name.endswith("/data.pkl")), None)
+        with self._lock:
+            if data_offset is not None and structure in self._entries:
+                self._templates[key] = (layout, data_offset, structure)
+            for stale in [k for k, entry in self._templates.items() if entry[2] not in self._entries]:
+                del self._templates[stale]
 
     def find(
         self, segments: tuple[tuple[int, bytes], ...], holes: list[tuple[int, int]], size: int
@@ -214,7 +358,9 @@ class VerifiedStructures:
                 self._entries.popitem()
 
 
-def _structure_key(segments: tuple[tuple[int, bytes], ...], holes: list[tuple[int, int]], size: int) -> tuple[Any, ...]:
+def _structure_key(
+    segments: Iterable[tuple[int, bytes | bytearray]], holes: list[tuple[int, int]], size: int
+) -> tuple[Any, ...]:
     """Where everything lies: the file size, the holes and each metadata segment's span (cheap to compare)."""
     return size, tuple(holes), tuple((offset, len(data)) for offset, data in segments)
 
@@ -294,6 +440,20 @@ def _cut(segments: Iterable[tuple[int, bytes]], ranges: list[tuple[int, int]]) -
     return tuple(result)
 
 
+def _replaced(segments: tuple[tuple[int, bytes], ...], offset: int, data: bytes) -> tuple[tuple[int, bytes], ...]:
+    """``segments`` with the bytes from ``offset`` replaced by ``data`` (same length, inside one segment).
+
+    Raises:
+        LayoutUnsupported: the range is not inside one segment.
+    """
+    index = bisect.bisect_right([start for start, _ in segments], offset) - 1
+    start, old = segments[index] if index >= 0 else (0, b"")
+    at = offset - start
+    if index < 0 or at + len(data) > len(old):
+        raise LayoutUnsupported(f"bytes {offset} to {offset + len(data)} are not inside one metadata segment")
+    return (*segments[:index], (start, old[:at] + data + old[at + len(data) :]), *segments[index + 1 :])
+
+
 def _match_records(holes: list[tuple[int, int]], storages: list[torch.UntypedStorage]) -> tuple[StorageRecord, ...]:
     """Pair torch's holes (one per non-empty storage, in key order) with the recorded storages."""
     nonempty = [k for k, s in enumerate(storages) if s.nbytes() > 0]
@@ -362,6 +522,10 @@ class _LayoutSink:
 
     def tell(self) -> int:
         return self.position
+
+    def structure(self) -> tuple[Any, ...]:
+        """The :func:`_structure_key` of the archive written so far (without copying its bytes)."""
+        return _structure_key(self._segments, self.holes, self.size)
 
     def flush(self) -> None:
         pass

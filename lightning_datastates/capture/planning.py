@@ -33,13 +33,16 @@ log = logging.getLogger("lightning_datastates")
 
 
 class LayoutPlanner:
-    """Plans the layout of every checkpoint of one engine (``alignment``: the configured ``storage_alignment``)."""
+    """Plans the layout of every checkpoint of one engine (``alignment``: the configured ``storage_alignment``;
+    ``fast_path=False`` plans with ``torch.save`` only, to measure it)."""
 
-    def __init__(self, alignment: int | None) -> None:
+    def __init__(self, alignment: int | None, fast_path: bool = True) -> None:
         self._alignment = alignment
-        # Saves of one training run repeat a few archive structures: planned again, they skip the self-check.
-        self._verified_structures = VerifiedStructures()
+        # Saves of one training run repeat a few archive structures: planned again, they skip the self-check, and
+        # the fast path splices into them.
+        self._verified_structures = VerifiedStructures(fast_path=fast_path)
         self._warned_fallback = False
+        self._warned_refused = False
 
     def plan(self, checkpoint: dict[str, Any]) -> tuple[CheckpointLayout, list[torch.UntypedStorage]]:
         """The out-of-order layout and its storages; failing that, the checkpoint serialized by a plain
@@ -49,7 +52,9 @@ class LayoutPlanner:
             CheckpointCaptureError: the checkpoint cannot be pickled.
         """
         try:
-            return plan_layout(checkpoint, self._alignment, self._verified_structures)
+            planned = plan_layout(checkpoint, self._alignment, self._verified_structures)
+            self._warn_if_fast_path_refused()
+            return planned
         except Exception as reason:  # noqa: BLE001 - LayoutUnsupported, skip_data refused, or an object that cannot be pickled
             buffer = io.BytesIO()
             try:
@@ -71,6 +76,32 @@ class LayoutPlanner:
                 )
                 self._warned_fallback = True
             return plan_serialized_layout(buffer.getvalue()), []
+
+    def confirm_fast_path(self, sample: Any) -> None:
+        """Compare the fast path with ``torch.save`` on ``sample`` now (the training state: what checkpoints mostly
+        hold), instead of at the first plan (see :func:`~lightning_datastates.capture.layout.plan_layout`). Nothing
+        to do once compared; a sample the fast path does not take leaves the comparison to the first plan. Never
+        raises: it only moves work out of the first save call."""
+        verified = self._verified_structures
+        if not verified.fast_path or verified.confirmed or verified.refused is not None:
+            return
+        try:
+            plan_layout(sample, self._alignment, verified)
+        except Exception as exc:  # noqa: BLE001 - the first save plans (and reports) as without this
+            log.debug("lightning_datastates: fast path not compared before the first save: %r", exc)
+        self._warn_if_fast_path_refused()
+
+    def _warn_if_fast_path_refused(self) -> None:
+        refused = self._verified_structures.refused
+        if refused is not None and not self._warned_refused:
+            log.warning(
+                "lightning_datastates: the save call's fast pickling did not reproduce torch.save %s (%s); checkpoints "
+                "are planned with torch.save instead (correct, a slower save call; warned once). Please report this "
+                "with your torch version.",
+                torch.__version__,
+                refused,
+            )
+            self._warned_refused = True
 
 
 def plan_lazy_copy(

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import io
 import pickle
+import sys
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -54,6 +55,83 @@ def save_storage_alignment(alignment_bytes: int) -> Iterator[None]:
         yield
     finally:
         config.storage_alignment = previous
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# torch.save's pickling of a plain tensor and its archive, reproduced by the layout planner's fast path
+# (capture/skeleton.py, capture/layout.py); each use is checked against torch.save's own output once per planner.
+
+#: The pickle protocol ``torch.save`` uses by default (its ``pickle_protocol`` argument).
+SAVE_PICKLE_PROTOCOL: int = torch.serialization.DEFAULT_PROTOCOL
+
+#: The function ``torch.save``'s pickle names to rebuild a plain tensor from a typed storage (``Tensor.__reduce_ex__``
+#: for a tensor of a dtype :func:`typed_storage_pickling` knows).
+REBUILD_TENSOR: Any = torch._utils._rebuild_tensor_v2
+
+
+@functools.cache
+def typed_storage_pickling(dtype: torch.dtype) -> tuple[type, int] | None:
+    """The storage class ``torch.save`` names in a tensor's persistent id (``torch.FloatStorage`` for float32...) and
+    the dtype's element size; None for the dtypes torch saves another way (an untyped storage and
+    ``_rebuild_tensor_v3``: float8, uint16, ...).
+
+    Checked against torch 2.13.0: ``torch.storage._new_dtypes`` and ``_dtype_to_storage_type_map``, as
+    ``TypedStorage._pickle_storage_type`` uses them; the numel in the id is the storage's bytes over the element size.
+    """
+    if dtype in torch.storage._new_dtypes():
+        return None
+    name = torch.storage._dtype_to_storage_type_map().get(dtype)
+    return None if name is None else (getattr(torch, name), torch._utils._element_size(dtype))
+
+
+def storage_location_tag(device: torch.device) -> str | None:
+    """``torch.serialization.location_tag`` of a storage on ``device``; None for devices other than CPU and CUDA.
+
+    Checked against torch 2.13.0 (``_cpu_tag``, ``_backend_tag``). The pickle memoizes strings by identity, so the
+    identity matters as much as the text: torch answers the same interned constant for every CPU storage (so does
+    this literal), and a new string for every CUDA storage (so does this concatenation).
+    """
+    if device.type == "cpu":
+        return "cpu"
+    if device.type == "cuda" and device.index is not None:
+        return "cuda:" + str(device.index)
+    return None
+
+
+def tensor_pickle_metadata(tensor: torch.Tensor) -> dict[str, Any]:
+    """The metadata ``torch.save`` appends to a tensor's pickled arguments when it is not empty (conjugate and
+    negative bits). Checked against torch 2.13.0: ``torch._C._get_tensor_metadata``."""
+    return torch._C._get_tensor_metadata(tensor)  # type: ignore[attr-defined]
+
+
+def current_storage_alignment() -> int:
+    """The alignment ``torch.save`` gives storage records now (``config.save.storage_alignment``, 64 by default).
+    Checked against torch 2.13.0: ``torch.serialization._get_storage_alignment``."""
+    return int(torch.serialization._get_storage_alignment())
+
+
+def open_archive_writer(sink: Any) -> contextlib.AbstractContextManager[Any]:
+    """``torch.save``'s own zip writer over ``sink`` (a ``torch._C.PyTorchFileWriter`` with torch's current CRC and
+    alignment settings, as ``torch.save`` makes it for a file object); on exit the end of the archive is written.
+
+    Checked against torch 2.13.0: ``torch.serialization._open_zipfile_writer``; the writer's ``write_record(name,
+    data, nbytes)`` and ``write_record_metadata(name, nbytes)`` (a record whose data is skipped, as under
+    ``skip_data``).
+    """
+    return torch.serialization._open_zipfile_writer(sink)
+
+
+def records_after_pickle() -> tuple[tuple[str, str], ...]:
+    """The records ``torch.save`` writes after ``data.pkl`` and before the storages, in its order, with their content.
+
+    Checked against torch 2.13.0 (``torch.serialization._save``): ``.format_version``, ``.storage_alignment``, then
+    ``byteorder``.
+    """
+    return (
+        (".format_version", "1"),
+        (".storage_alignment", str(current_storage_alignment())),
+        ("byteorder", sys.byteorder),
+    )
 
 
 #: Types of which no instance is a storage: most of the objects a checkpoint pickles (shapes, strides, numbers, keys).

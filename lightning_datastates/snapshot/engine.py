@@ -127,6 +127,12 @@ class SnapshotEngine:
         if self._data_path is None and self._prepared is None:
             self._prepared = prepare_arena(self.config, request_bytes)
 
+    def prepare_planning(self, sample: Any) -> None:
+        """Compare the layout planner's fast path with ``torch.save`` on ``sample`` (the training state) now, so that
+        the first capture does not (:meth:`~lightning_datastates.capture.planning.LayoutPlanner.confirm_fast_path`).
+        Training thread."""
+        self._layouts.confirm_fast_path(sample)
+
     def capture(
         self,
         checkpoint: dict[str, Any],
