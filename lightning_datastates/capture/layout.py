@@ -161,8 +161,7 @@ def plan_layout(
         LayoutUnsupported: torch refused ``skip_data`` for this checkpoint (quantized tensors, storage-less
             backends), or the plan failed its self-check.
     """
-    fast = verified is not None and verified.fast_path and verified.refused is None
-    skeleton = _pickle_or_none(checkpoint) if fast else None
+    skeleton = _pickle_or_none(checkpoint) if verified is not None and verified.fast_path_open else None
     if skeleton is None:
         sink, storages = _archive_by_torch(checkpoint, alignment)
         return _layout_of_archive(sink, storages, alignment, verified), storages
@@ -282,7 +281,8 @@ class VerifiedStructures:
         self._entries: collections.OrderedDict[tuple[Any, ...], tuple[bytes, tuple[ChecksumSlot, ...]]]
         self._entries = collections.OrderedDict()
         # Archives to splice into, by template key: the layout, where its data.pkl starts, and its structure's key
-        # in _entries (a template lives as long as its structure: one order of use, one capacity).
+        # in _entries (a template lives as long as its structure, dropped with it in add(): one order of use, one
+        # capacity).
         self._templates: dict[tuple[Any, ...], tuple[CheckpointLayout, int, tuple[Any, ...]]] = {}
         self._lock = threading.Lock()
         #: Plans that found their structure here (for tests and diagnostics), and how many of them were spliced.
@@ -292,6 +292,11 @@ class VerifiedStructures:
         self.confirmed = False
         #: Why the fast path's archive differed from ``torch.save``'s (it is not taken again); None if it did not.
         self.refused: str | None = None
+
+    @property
+    def fast_path_open(self) -> bool:
+        """Whether :func:`plan_layout` takes the fast path with this cache: allowed, and not refused."""
+        return self.fast_path and self.refused is None
 
     def settle(self, difference: str | None) -> None:
         """Record the comparison of the fast path's archive with ``torch.save``'s (None: the same)."""
@@ -303,9 +308,6 @@ class VerifiedStructures:
         None if none is kept."""
         with self._lock:
             entry = self._templates.get(key)
-            if entry is not None and entry[2] not in self._entries:
-                del self._templates[key]  # its structure was pushed out
-                entry = None
             if entry is None:
                 return None
             self._entries.move_to_end(entry[2], last=False)
@@ -321,8 +323,6 @@ class VerifiedStructures:
         with self._lock:
             if data_offset is not None and structure in self._entries:
                 self._templates[key] = (layout, data_offset, structure)
-            for stale in [k for k, entry in self._templates.items() if entry[2] not in self._entries]:
-                del self._templates[stale]
 
     def find(
         self, segments: tuple[tuple[int, bytes], ...], holes: list[tuple[int, int]], size: int
@@ -355,7 +355,10 @@ class VerifiedStructures:
             self._entries[key] = entry
             self._entries.move_to_end(key, last=False)
             while len(self._entries) > self._capacity:
-                self._entries.popitem()
+                evicted, _ = self._entries.popitem()
+                # A template lives as long as its structure.
+                for stale in [k for k, template in self._templates.items() if template[2] == evicted]:
+                    del self._templates[stale]
 
 
 def _structure_key(

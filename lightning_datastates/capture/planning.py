@@ -83,7 +83,7 @@ class LayoutPlanner:
         to do once compared; a sample the fast path does not take leaves the comparison to the first plan. Never
         raises: it only moves work out of the first save call."""
         verified = self._verified_structures
-        if not verified.fast_path or verified.confirmed or verified.refused is not None:
+        if not verified.fast_path_open or verified.confirmed:
             return
         try:
             plan_layout(sample, self._alignment, verified)
