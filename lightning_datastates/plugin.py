@@ -73,8 +73,9 @@ class DataStatesIO(CheckpointIO):
         writer_threads: threads writing to storage in parallel (default 4).
         chunk_size: most bytes copied and written as one piece (default ``"64MiB"``; at most a quarter of the
             arena is used).
-        eager_copy_size: tensors of at most this size are copied inside ``save_checkpoint`` (default ``"64KiB"``):
-            cheaper than scheduling them, and safe for small state that changes anywhere.
+        eager_copy_size: tensors in host memory of at most this size are copied inside ``save_checkpoint`` (default
+            ``"64KiB"``): cheaper than scheduling them, and safe for small state that changes anywhere. Device
+            (GPU) tensors are copied after the save call wherever the barrier covers them, whatever their size.
         storage_options: options for the fsspec file system of non-local paths (``s3://``, ``memory://``, ...),
             e.g. ``{"key": ..., "secret": ..., "endpoint_url": ...}``; used for saving, loading and removing.
             For ``s3://`` it also takes the multipart writer's ``part_size_bytes`` (default 16 MiB),

@@ -12,7 +12,11 @@ turned off (``torch.save`` under ``skip_data``, as before the fast path), with t
 ``--sharded`` times a sharded save's staging instead (every tensor a DTensor on a one-rank gloo mesh): DCP's local
 plan, each item resolved to its local tensor, the shard file planned.
 
-    python3 scripts/bench_save_call.py [--layers 24] [--rounds 20] [--sharded]
+``--trainer`` times whole save calls instead: a real ``lightning.Trainer`` (CPU) trains the same GPT for ``--rounds``
+steps and saves it through ``DataStatesIO()`` at every step (every tensor of this narrow model is small, so the save
+call also copies all of them); prints the first save call and the median of the others after two more.
+
+    python3 scripts/bench_save_call.py [--layers 24] [--rounds 20] [--sharded | --trainer]
 """
 
 from __future__ import annotations
@@ -92,13 +96,49 @@ def timed(plans: list[Callable[[], object]], checkpoint: dict, rounds: int) -> l
     return [statistics.median(times) for times in durations]
 
 
+def trainer_save_calls(layers: int, steps: int, width: int = 64) -> list[float]:
+    """The seconds of every save call of a real Trainer that trains the GPT of :func:`llm_shaped_checkpoint` for
+    ``steps`` steps on the CPU and saves it through ``DataStatesIO()`` after each."""
+    import tempfile
+
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader
+
+    from lightning_datastates import DataStatesIO
+
+    torch.manual_seed(0)
+    model = GPT(vocab=128, dim=width, layers=layers, heads=4, seq_len=16)
+    plugin = DataStatesIO()
+    with tempfile.TemporaryDirectory() as directory:
+        trainer = L.Trainer(
+            max_steps=steps,
+            accelerator="cpu",
+            plugins=[plugin],
+            callbacks=[ModelCheckpoint(directory, every_n_train_steps=1, save_top_k=-1)],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(model, DataLoader(torch.randint(0, 128, (2 * steps, 17)), batch_size=2))
+    return [stats.save_call_s for stats in plugin.engine.history]
+
+
 def main() -> None:
     """Run the measurement and print it."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--sharded", action="store_true", help="time a sharded save's staging (one-rank gloo mesh)")
+    parser.add_argument("--trainer", action="store_true", help="time whole save calls of a Trainer saving every step")
     args = parser.parse_args()
+    if args.trainer:
+        calls = trainer_save_calls(args.layers, max(args.rounds, 4))
+        tensors = count_tensors(llm_shaped_checkpoint(args.layers))
+        first, later = 1000 * calls[0], 1000 * statistics.median(calls[3:])
+        print(f"save calls of a Trainer saving {tensors} tensors ({args.layers} blocks) every step: first ", end="")
+        print(f"{first:.1f} ms, median of {len(calls) - 3} later {later:.1f} ms; torch {torch.__version__}")
+        return
     checkpoint = llm_shaped_checkpoint(args.layers)
     tensors = count_tensors(checkpoint)
     if args.sharded:

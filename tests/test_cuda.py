@@ -59,10 +59,17 @@ def test_copy_is_ordered_after_queued_kernels_and_before_mutation(tmp_path):
     plugin.teardown()
 
 
-def test_many_small_tensors_in_one_chunk_are_all_copied_after_queued_kernels(tmp_path):
+@pytest.mark.parametrize("eager_copy_size", [1, "64KiB"], ids=["tiny-threshold", "default"])
+def test_many_small_tensors_in_one_chunk_are_all_copied_after_queued_kernels(tmp_path, monkeypatch, eager_copy_size):
     """The copier issues a chunk's copies together and synchronizes once: every piece must still come after the
-    kernels queued before the save, and before the mutation after the barrier."""
-    plugin = DataStatesIO(host_cache="1GiB", eager_copy_size=1)
+    kernels queued before the save, and before the mutation after the barrier. Small device tensors are lazy with
+    any ``eager_copy_size`` (the save call does not wait for their copies)."""
+    from lightning_datastates.snapshot import engine
+
+    eager_parts: list[set[int]] = []
+    split = engine.eager_record_keys
+    monkeypatch.setattr(engine, "eager_record_keys", lambda *args: eager_parts.append(split(*args)) or eager_parts[-1])
+    plugin = DataStatesIO(host_cache="1GiB", eager_copy_size=eager_copy_size)
     plugin._owner = _AllLazy()  # type: ignore[assignment]
     tensors = [torch.zeros(1000 + 37 * i, device="cuda") for i in range(300)]  # packed into one chunk
     big = torch.zeros(32 * 2**20, device="cuda")
@@ -81,6 +88,7 @@ def test_many_small_tensors_in_one_chunk_are_all_copied_after_queued_kernels(tmp
     loaded = torch.load(path, weights_only=True, map_location="cpu")
     for index, tensor in enumerate(tensors):
         assert torch.equal(loaded[f"t{index}"], torch.full((tensor.numel(),), 1.0 + index)), index
+    assert eager_parts == [set()]
     plugin.teardown()
 
 

@@ -223,7 +223,8 @@ def test_the_copier_crc_is_what_the_file_carries(tmp_path, monkeypatch) -> None:
     from lightning_datastates.copy import copier as copier_module
 
     checkpoint = {**_checkpoint(), "big": torch.randn(300_000)}
-    _save(str(tmp_path / "good.ckpt"), checkpoint, lazy=True)
+    large_pieces = {"chunk_size": "256KiB", "host_cache": "4MiB"}  # the copier checksums pieces over 64 KiB only
+    _save(str(tmp_path / "good.ckpt"), checkpoint, lazy=True, **large_pieces)
     assert verify_file(str(tmp_path / "good.ckpt")).complete
     real_copy = copier_module.CpuCopier.copy_pieces
 
@@ -231,7 +232,7 @@ def test_the_copier_crc_is_what_the_file_carries(tmp_path, monkeypatch) -> None:
         return {offset: (nbytes, crc ^ 1) for offset, (nbytes, crc) in real_copy(self, *args).items()}
 
     monkeypatch.setattr(copier_module.CpuCopier, "copy_pieces", wrong_crcs)
-    _save(str(tmp_path / "bad.ckpt"), checkpoint, lazy=True)
+    _save(str(tmp_path / "bad.ckpt"), checkpoint, lazy=True, **large_pieces)
     with pytest.raises(CheckpointCorruptError):
         verify_file(str(tmp_path / "bad.ckpt"))
     assert_bit_equal(torch.load(str(tmp_path / "bad.ckpt"), weights_only=True), checkpoint)  # the bytes are right

@@ -2,7 +2,8 @@
 
 Call order, inside :meth:`~lightning_datastates.snapshot.engine.SnapshotEngine.capture`:
   1) :meth:`LayoutPlanner.plan` first, before anything is written or admitted;
-  2) :func:`plan_lazy_copy` while the checkpoint is registered (its storages are shared with earlier checkpoints of
+  2) :func:`eager_record_keys` once the checkpoint is admitted: which storages the save call copies before it returns;
+  3) :func:`plan_lazy_copy` while the checkpoint is registered (its storages are shared with earlier checkpoints of
      the same barrier interval, and offered to later ones, :mod:`~lightning_datastates.copy.sharing`).
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import io
 import logging
 import threading
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -102,6 +104,33 @@ class LayoutPlanner:
                 refused,
             )
             self._warned_refused = True
+
+
+def eager_record_keys(
+    records: Iterable[StorageRecord],
+    storages: list[torch.UntypedStorage],
+    lazy: Callable[[torch.UntypedStorage], bool] | None,
+    eager_copy_size: int,
+) -> set[int]:
+    """The keys of the records whose storages the save call copies before it returns (the eager part); the other
+    records are copied lazily, after it returned and before the next barrier.
+
+    Eager: every record when there is no ``lazy`` predicate (no barrier follows the save call); a storage ``lazy``
+    refuses (it may change before the barrier); and a host storage of at most ``eager_copy_size`` bytes, for which a
+    ``memcpy`` now costs less than planning, sharing and writing it through later. A device storage that ``lazy``
+    accepts is lazy whatever its size: copying it now would make the save call wait until the device reached the
+    capture point, and for one copy per storage (an LLM has hundreds of small device tensors: biases, norms, their
+    optimizer moments), where after the save call the copier issues those copies while forward and backward run.
+    """
+    if lazy is None:
+        return {record.key for record in records}
+    eager = set()
+    for record in records:
+        storage = storages[record.key]
+        small_on_host = record.nbytes <= eager_copy_size and storage.device.type == "cpu"
+        if small_on_host or not lazy(storage):
+            eager.add(record.key)
+    return eager
 
 
 def plan_lazy_copy(

@@ -12,9 +12,9 @@ Call order, per snapshot:
 tensors, and the save call waits for them). Large pieces are copied window by window with ``memmove`` (the GIL is
 released meanwhile, so training goes on) and each window is checksummed right after, while it is still in the CPU
 cache: the writer threads then need not read the bytes again for the CRC (one pass over memory fewer per
-checkpoint). Small pieces are copied with the GIL held: releasing and retaking it would cost more than the copy (a
-matter of cost only: the sources stay alive and unchanged because the job holds them and the barrier waits for the
-copy, as for every copy).
+checkpoint). Small pieces are copied with the GIL held and not checksummed (the writer threads do it): releasing and
+retaking the GIL, which the CRC of more than 5 KiB does, would cost more than the copy (a matter of cost only: the
+sources stay alive and unchanged because the job holds them and the barrier waits for the copy, as for every copy).
 ``CudaCopier`` issues ``non_blocking`` copies of all the pieces on its own stream, ordered after the mark, into pinned
 memory, so the DMA engine overlaps the next forward and backward; only the copier thread waits for them. It returns
 before the copies end, so that the copier thread can queue the next chunks' copies behind them
@@ -39,7 +39,7 @@ from lightning_datastates.write.checksums import crc32
 
 #: Bytes copied, then checksummed, in one go: small enough to stay in the CPU cache in between.
 COPY_WINDOW_BYTES = 512 * 1024
-#: Pieces up to this size are copied without releasing the GIL (a few microseconds).
+#: Pieces up to this size are copied without releasing the GIL and without a CRC-32 (a few microseconds).
 GIL_HELD_COPY_BYTES = 64 * 1024
 
 #: Block offset of a piece in its arena block -> (its size, the CRC-32 the copier computed while copying it).
@@ -101,7 +101,8 @@ class CpuCopier:
     def copy_pieces(
         self, block: torch.Tensor, pieces: Sequence[Piece], sources: Sequence[torch.UntypedStorage], mark: Any
     ) -> PieceCrcs:
-        """Copy the pieces into ``block``; the CRC-32 of every piece copied from host memory."""
+        """Copy the pieces into ``block``; the CRC-32 of every piece copied from host memory larger than
+        :data:`GIL_HELD_COPY_BYTES` (writer threads checksum the others)."""
         crcs: PieceCrcs = {}
         base = block.data_ptr()
         for piece in pieces:
@@ -110,18 +111,25 @@ class CpuCopier:
                 block[piece.block_offset : piece.block_offset + piece.nbytes].copy_(_byte_range(storage, piece))
                 continue
             source, target = storage.data_ptr() + piece.source_offset, base + piece.block_offset
-            crcs[piece.block_offset] = (piece.nbytes, copy_host_bytes(target, source, piece.nbytes))
+            crc = copy_host_bytes(target, source, piece.nbytes)
+            if crc is not None:
+                crcs[piece.block_offset] = (piece.nbytes, crc)
         return crcs
 
 
-def copy_host_bytes(target: int, source: int, nbytes: int) -> int:
-    """Copy ``nbytes`` bytes of host memory from address ``source`` to ``target``; return their CRC-32."""
-    if nbytes == 0:
-        return 0  # the CRC-32 of no bytes (and an empty view is read-only)
+def copy_host_bytes(target: int, source: int, nbytes: int) -> int | None:
+    """Copy ``nbytes`` bytes of host memory from address ``source`` to ``target``; return their CRC-32, or None for
+    a small range (at most :data:`GIL_HELD_COPY_BYTES`), which the writer threads checksum instead.
+
+    Why not checksum small ranges here: the CRC releases the GIL for buffers over 5 KiB, and retaking it, while
+    writer threads flush earlier checkpoints, costs far more than the copy; the save call waits for the small
+    tensors' copies, not for their CRCs (measured with a real Trainer, 1169 small tensors: 21 ms with the CRC,
+    4 ms without).
+    """
     if nbytes <= GIL_HELD_COPY_BYTES:
-        destination = address_view(target, nbytes)
-        destination[:] = address_view(source, nbytes)
-        return crc32(destination)
+        if nbytes:  # an empty view is read-only
+            address_view(target, nbytes)[:] = address_view(source, nbytes)
+        return None
     crc = 0
     for start in range(0, nbytes, COPY_WINDOW_BYTES):
         size = min(COPY_WINDOW_BYTES, nbytes - start)

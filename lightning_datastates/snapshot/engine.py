@@ -8,8 +8,8 @@ The steps of a checkpoint, and where each lives:
    (:mod:`~lightning_datastates.capture.admission`), open a write session, cut the storages into chunks
    (:mod:`~lightning_datastates.capture.chunks`), sharing earlier copies of the same state
    (:mod:`~lightning_datastates.copy.sharing`), register the checkpoint (:mod:`~lightning_datastates.snapshot.pending`)
-   and hand it to the copier. It returns once the storages that may change before the next barrier (or are tiny) are
-   in host memory.
+   and hand it to the copier. It returns once the storages that may change before the next barrier (and small host
+   storages) are in host memory (:func:`~lightning_datastates.capture.planning.eager_record_keys`).
 2. **copy** (copier thread, :mod:`~lightning_datastates.copy.loop`): every other storage into the host arena, chunk by
    chunk, while training goes on; lazy chunks of host tensors may instead be written straight from them
    (:mod:`~lightning_datastates.write.through`). A barrier (:meth:`SnapshotEngine.wait_copies`) waits for this step.
@@ -50,7 +50,7 @@ from lightning_datastates.capture.admission import (
 )
 from lightning_datastates.capture.chunks import plan_chunks
 from lightning_datastates.capture.layout import CheckpointLayout
-from lightning_datastates.capture.planning import LayoutPlanner, plan_lazy_copy
+from lightning_datastates.capture.planning import LayoutPlanner, eager_record_keys, plan_lazy_copy
 from lightning_datastates.config import DataStatesConfig
 from lightning_datastates.copy.arena import HostArena
 from lightning_datastates.copy.copier import CopierSet
@@ -191,11 +191,7 @@ class SnapshotEngine:
             self._pending.note_skipped()
             return stats
         chunk_bytes = max(4096, min(self.config.chunk_size, data_path.arena.size_bytes // 4))
-        eager_keys = {
-            r.key
-            for r in layout.records
-            if lazy is None or r.nbytes <= self.config.eager_copy_size or not lazy(storages[r.key])
-        }
+        eager_keys = eager_record_keys(layout.records, storages, lazy, self.config.eager_copy_size)
         devices = {s.device for s in storages if s.nbytes() > 0}
         # Writer threads checksum what they write and fill each record's CRC-32 (write/checksums.py).
         session = checksummed(writer.begin(path, layout.total_bytes), layout.checksums)
