@@ -26,6 +26,7 @@ from lightning_datastates.copy.copier import (
     Copied,
     CopierSet,
     CpuCopier,
+    byte_range,
     copy_host_bytes,
 )
 from lightning_datastates.copy.loop import IN_FLIGHT_CHUNKS
@@ -51,6 +52,19 @@ def test_copy_host_bytes_copies_and_checksums_large_ranges(nbytes: int) -> None:
     assert not target[:8].any() and not target[8 + nbytes :].any(), "wrote outside the range"
     # Small ranges are copied with the GIL held and checksummed by the writer threads (a CRC would release it).
     assert crc == (None if nbytes <= GIL_HELD_COPY_BYTES else zlib.crc32(_raw(source)))
+
+
+@pytest.mark.parametrize(("offset", "nbytes"), [(0, 0), (0, 4000), (1, 1), (3, 3997), (4000, 0)])
+def test_byte_range_views_exactly_the_bytes_asked_for(offset: int, nbytes: int) -> None:
+    """The device copiers read a piece's bytes through this view (made in one call, no slicing)."""
+    storage = _random_storage(4000, 3)
+    view = byte_range(storage, offset, nbytes)
+    assert (
+        view.dtype == torch.uint8
+        and view.shape == (nbytes,)
+        and view.untyped_storage().data_ptr() == storage.data_ptr()
+    )
+    assert view.numpy().tobytes() == _raw(storage, offset, nbytes)
 
 
 def test_small_pieces_are_copied_without_a_crc_and_the_file_carries_theirs(tmp_path) -> None:

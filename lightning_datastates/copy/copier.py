@@ -108,7 +108,8 @@ class CpuCopier:
         for piece in pieces:
             storage = sources[piece.key]
             if storage.device.type != "cpu":  # a device without streams (MPS, XPU, ...): no host address to copy from
-                block[piece.block_offset : piece.block_offset + piece.nbytes].copy_(_byte_range(storage, piece))
+                source_bytes = byte_range(storage, piece.source_offset, piece.nbytes)
+                block[piece.block_offset : piece.block_offset + piece.nbytes].copy_(source_bytes)
                 continue
             source, target = storage.data_ptr() + piece.source_offset, base + piece.block_offset
             crc = copy_host_bytes(target, source, piece.nbytes)
@@ -161,14 +162,18 @@ class CudaCopier:
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             # Order after the capture point: the state must be read as it was when save_checkpoint ran.
             self.stream.wait_event(mark)
+            base = block.data_ptr()
             try:
+                # Four tensor calls per copy (view, set, slice, copy): an LLM has hundreds of small tensors, issued
+                # while the training thread launches its kernels and wants the GIL.
                 for piece in pieces:
-                    source = _byte_range(sources[piece.key], piece)
+                    storage = sources[piece.key]
                     # One copy per span of the arena's pinning (copy/pinning.py): each lies within one registration.
-                    for start, nbytes in pin_spans(block.data_ptr() + piece.block_offset, piece.nbytes):
+                    for start, nbytes in pin_spans(base + piece.block_offset, piece.nbytes):
+                        at = piece.block_offset + start
+                        source = byte_range(storage, piece.source_offset + start, nbytes)
                         # Asynchronous DMA into pinned host memory: overlaps whatever the compute stream runs now.
-                        target = block[piece.block_offset + start : piece.block_offset + start + nbytes]
-                        target.copy_(source[start : start + nbytes], non_blocking=True)
+                        block[at : at + nbytes].copy_(source, non_blocking=True)
             except BaseException:
                 # The caller frees the block on failure: the copies already issued must not write into it later.
                 self.stream.synchronize()
@@ -269,7 +274,7 @@ def pin_spans(target_address: int, nbytes: int) -> list[tuple[int, int]]:
     return [(address - target_address, size) for address, size in cut_at_pin_boundaries(target_address, nbytes)]
 
 
-def _byte_range(storage: torch.UntypedStorage, piece: Piece) -> torch.Tensor:
-    """The piece's bytes of ``storage`` as a flat ``uint8`` tensor on its device (a view: no copy)."""
-    view = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-    return view[piece.source_offset : piece.source_offset + piece.nbytes]
+def byte_range(storage: torch.UntypedStorage, offset: int, nbytes: int) -> torch.Tensor:
+    """``nbytes`` bytes of ``storage`` from byte ``offset``, as a flat ``uint8`` tensor on its device (a view: no
+    copy; made in one ``set_``, no slicing)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, offset, (nbytes,), (1,))
