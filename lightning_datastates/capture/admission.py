@@ -26,7 +26,7 @@ from lightning_datastates.alignment import PAGE_ALIGNMENT_BYTES
 from lightning_datastates.capture.layout import CheckpointLayout
 from lightning_datastates.compat.torch import storage_identity
 from lightning_datastates.config import DataStatesConfig
-from lightning_datastates.copy import pinning
+from lightning_datastates.copy import pinning, sizing
 from lightning_datastates.copy.arena import HostArena
 from lightning_datastates.load.resident import ResidentCache
 from lightning_datastates.snapshot.job import JobState, SnapshotJob, SnapshotStats
@@ -109,8 +109,11 @@ def open_arena(
 
 def _new_arena(config: DataStatesConfig, request_bytes: int) -> HostArena:
     # Page-locked memory lets the CUDA copy engine write straight into the arena, asynchronously; it is locked on a
-    # thread of its own (copy/pinning.py), never on the training thread.
-    arena = HostArena(config.arena_bytes_for(request_bytes), pinner=pinning.default_pinner())
+    # thread of its own (copy/pinning.py), never on the training thread. Elsewhere the pages the first checkpoints
+    # use (as many as the default arena holds) are mapped in ahead of their copies, also on a thread of its own
+    # (copy/prefault.py); the rest of a larger host_cache is mapped as copies first write it.
+    prefault_bytes = sizing.CHECKPOINTS_HELD * request_bytes
+    arena = HostArena(config.arena_bytes_for(request_bytes), pinning.default_pinner(), prefault_bytes)
     log.info("lightning_datastates: host arena of %.1f MiB allocated", arena.size_bytes / 2**20)
     return arena
 

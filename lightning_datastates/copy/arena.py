@@ -13,7 +13,9 @@ The buffer is ordinary pageable memory, mapped by the kernel page by page as it 
 takes microseconds, on any thread). Where a :class:`~lightning_datastates.copy.pinning.Pinner` is given (CUDA hosts),
 a thread of its own page-locks the buffer afterwards, piece by piece from its start
 (:mod:`~lightning_datastates.copy.pinning`): copies into a piece not yet locked take the pageable path, none waits for
-it. Free space is handed out lowest offset first, so the first copies land in the pieces locked first.
+it. Free space is handed out lowest offset first, so the first copies land in the pieces locked first. Where nothing
+locks it (CPU hosts), a thread of its own maps in, ahead of the copies, the pages the first checkpoints use
+(:mod:`~lightning_datastates.copy.prefault`): copies into fresh pages are many times slower.
 
 Thread model: any thread may call :meth:`allocate` and :meth:`free`; in this package the copier thread
 allocates and the writer threads free.
@@ -33,6 +35,7 @@ import torch
 
 from lightning_datastates.alignment import PAGE_ALIGNMENT_BYTES, align_up
 from lightning_datastates.copy.pinning import ArenaPinning, Pinner, fork_excluded_mapping
+from lightning_datastates.copy.prefault import ArenaPrefault
 
 
 @dataclass(frozen=True)
@@ -60,9 +63,11 @@ class HostArena:
         size_bytes: capacity; rounded up to :data:`~lightning_datastates.alignment.PAGE_ALIGNMENT_BYTES`.
         pinner: page-locks the buffer in the background (wanted when copies come from a CUDA device: DMA straight
             into it); None: the buffer stays pageable.
+        prefault_bytes: where the buffer is not page-locked, how much of it, from its start, a background thread maps
+            in ahead of the copies (at most the whole buffer; 0: none, pages are mapped as copies first write them).
     """
 
-    def __init__(self, size_bytes: int, pinner: Pinner | None = None) -> None:
+    def __init__(self, size_bytes: int, pinner: Pinner | None = None, prefault_bytes: int = 0) -> None:
         self.size_bytes = align_up(size_bytes)
         # Pageable and untouched either way: the kernel maps pages as they are first written, so this costs
         # microseconds whatever the size.
@@ -84,6 +89,10 @@ class HostArena:
         if self._pinning is not None:
             # Unpin before the buffer's memory is freed: finalizers run before the arena's attributes are cleared.
             self._unpin = weakref.finalize(self, self._pinning.release)
+        prefault_bytes = min(align_up(max(prefault_bytes, 0)), self.size_bytes) if self._pinning is None else 0
+        self._prefault = ArenaPrefault(self.buffer[:prefault_bytes]) if prefault_bytes else None
+        if self._prefault is not None:
+            weakref.finalize(self, self._prefault.stop)  # an arena dropped without close() maps nothing more
         self._free: list[tuple[int, int]] = [(0, self.size_bytes)]  # sorted, disjoint (offset, size) ranges
         self._used_bytes = 0
         self._peak_used_bytes = 0
@@ -164,10 +173,12 @@ class HostArena:
         return reclaimed is not None
 
     def close(self) -> None:
-        """Wake and fail every waiter; later allocations fail too."""
+        """Wake and fail every waiter; later allocations fail too; no more pages are mapped ahead."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        if self._prefault is not None:
+            self._prefault.stop()
 
     def discard(self) -> None:
         """Close the arena and let its memory go without waiting on this thread for a pinning still in progress: a
@@ -220,6 +231,18 @@ class HostArena:
         if self._pinning is not None:
             self._pinning.done.wait(timeout_s)
         return self.pinned
+
+    @property
+    def prefaulted_bytes(self) -> int:
+        """Bytes of the buffer, from its start, mapped in ahead of the copies so far (0 where it is page-locked
+        instead, or where the host cannot map ahead)."""
+        return 0 if self._prefault is None else self._prefault.populated_bytes
+
+    def wait_prefaulted(self, timeout_s: float | None = None) -> int:
+        """Wait until the mapping ahead ended (at most ``timeout_s``); the bytes mapped then."""
+        if self._prefault is not None:
+            self._prefault.done.wait(timeout_s)
+        return self.prefaulted_bytes
 
     # ------------------------------------------------------------------ accounting
     @property

@@ -221,6 +221,7 @@ def fork_excluded_mapping(nbytes: int) -> mmap.mmap | None:
 
 def default_pinner() -> Pinner | None:
     """The pinner for this host, called on the training thread: ``cudaHostRegister`` for its current CUDA device where
-    CUDA is available; None elsewhere (CPU copies gain nothing from locked pages, and untouched pageable pages cost no
+    CUDA is available; None elsewhere (CPU copies gain nothing from locked pages; the arena's first pages are mapped
+    ahead instead, copy/prefault.py, and untouched pageable pages cost no
     memory until used)."""
     return CudaHostRegister(torch.cuda.current_device()) if torch.cuda.is_available() else None

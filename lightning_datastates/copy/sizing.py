@@ -11,8 +11,10 @@ With ``host_cache=None`` the arena is sized from the first checkpoint it serves:
   then waits for the flush, chunk by chunk);
 - never below :data:`FLOOR_BYTES`, whatever the host reports.
 
-A user's ``host_cache`` overrides the rule entirely. On a CPU host the arena's pages cost memory only once a copy
-first writes them; on a CUDA host the whole arena is page-locked (resident) shortly after it is made.
+A user's ``host_cache`` overrides the rule entirely. On a CPU host the pages of :data:`CHECKPOINTS_HELD` checkpoints
+are mapped in (resident) shortly after the arena is made, by a thread of its own (copy/prefault.py), and the rest of a
+larger arena only once a copy first writes it; on a CUDA host the whole arena is page-locked (resident) shortly after
+it is made.
 """
 
 from __future__ import annotations
