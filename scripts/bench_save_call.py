@@ -16,7 +16,10 @@ plan, each item resolved to its local tensor, the shard file planned.
 steps and saves it through ``DataStatesIO()`` at every step (every tensor of this narrow model is small, so the save
 call also copies all of them); prints the first save call and the median of the others after two more.
 
-    python3 scripts/bench_save_call.py [--layers 24] [--rounds 20] [--sharded | --trainer]
+``--new-lengths`` makes every plan meet a ``data.pkl`` of a new length (a new archive structure: written by torch's zip
+writer and self-checked, not spliced), as when a checkpoint path in ModelCheckpoint's state grows by a digit.
+
+    python3 scripts/bench_save_call.py [--layers 24] [--rounds 20] [--sharded | --trainer | --new-lengths]
 """
 
 from __future__ import annotations
@@ -79,10 +82,11 @@ def as_dtensors(value: Any, mesh: Any) -> Any:
     return value
 
 
-def timed(plans: list[Callable[[], object]], checkpoint: dict, rounds: int) -> list[float]:
+def timed(plans: list[Callable[[], object]], checkpoint: dict, rounds: int, new_lengths: bool = False) -> list[float]:
     """The median seconds of each of ``plans`` over ``rounds`` calls each, after three (the first plans of a structure
     also run self-checks and fill caches), the plans called in turn; the step counter changes between calls, as
-    between saves."""
+    between saves. With ``new_lengths`` a string in the checkpoint also grows by a character before each call (as a
+    checkpoint path in ModelCheckpoint's state grows by a digit), so that every plan meets a new structure."""
     for plan in plans:
         for _ in range(3):
             plan()
@@ -90,6 +94,8 @@ def timed(plans: list[Callable[[], object]], checkpoint: dict, rounds: int) -> l
     for _ in range(rounds):
         for plan, times in zip(plans, durations, strict=True):
             checkpoint["global_step"] += 1
+            if new_lengths:
+                checkpoint["hparams_name"] += "x"
             started = time.perf_counter()
             plan()
             times.append(time.perf_counter() - started)
@@ -131,6 +137,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--sharded", action="store_true", help="time a sharded save's staging (one-rank gloo mesh)")
     parser.add_argument("--trainer", action="store_true", help="time whole save calls of a Trainer saving every step")
+    parser.add_argument("--new-lengths", action="store_true", help="a data.pkl of a new length at every plan")
     args = parser.parse_args()
     if args.trainer:
         calls = trainer_save_calls(args.layers, max(args.rounds, 4))
@@ -156,11 +163,12 @@ def main() -> None:
         report("sharded staging (DCP's local plan, items resolved, shard file planned)", median, tensors, args.layers)
         return
     planner, by_torch = LayoutPlanner(alignment=None), LayoutPlanner(alignment=None, fast_path=False)
-    fast, slow = timed([lambda: planner.plan(checkpoint), lambda: by_torch.plan(checkpoint)], checkpoint, args.rounds)
+    plans = [lambda: planner.plan(checkpoint), lambda: by_torch.plan(checkpoint)]
+    fast, slow = timed(plans, checkpoint, args.rounds, args.new_lengths)
     verified = planner._verified_structures
-    if not verified.confirmed or verified.spliced == 0:
+    if not verified.confirmed or (verified.spliced == 0 and not args.new_lengths):
         raise SystemExit(f"the fast path was not taken (refused: {verified.refused}, spliced: {verified.spliced})")
-    report("layout plan", fast, tensors, args.layers)
+    report("layout plan" + (" of new structures" if args.new_lengths else ""), fast, tensors, args.layers)
     report("layout plan by torch.save (fast path off)", slow, tensors, args.layers)
     print(f"fast path / torch.save: {fast / slow:.2f}")
 
