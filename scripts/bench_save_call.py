@@ -36,10 +36,15 @@ from lightning_datastates._gpt import GPT
 from lightning_datastates.capture.planning import LayoutPlanner
 
 
-def llm_shaped_checkpoint(layers: int, width: int = 64) -> dict:
-    """A checkpoint dict as Lightning makes it, of the benchmark's GPT with ``layers`` blocks of ``width``."""
+def narrow_gpt(layers: int, width: int = 64) -> GPT:
+    """The benchmark's GPT with ``layers`` blocks of ``width`` (an LLM's tensor count, little data), seeded."""
     torch.manual_seed(0)
-    model = GPT(vocab=128, dim=width, layers=layers, heads=4, seq_len=16)
+    return GPT(vocab=128, dim=width, layers=layers, heads=4, seq_len=16)
+
+
+def llm_shaped_checkpoint(layers: int, width: int = 64) -> dict:
+    """A checkpoint dict as Lightning makes it, of :func:`narrow_gpt` stepped once by its optimizer."""
+    model = narrow_gpt(layers, width)
     optimizer = model.configure_optimizers()
     model.training_step(torch.randint(0, 128, (2, 17)), 0).backward()
     optimizer.step()
@@ -103,7 +108,7 @@ def timed(plans: list[Callable[[], object]], checkpoint: dict, rounds: int, new_
 
 
 def trainer_save_calls(layers: int, steps: int, width: int = 64) -> list[float]:
-    """The seconds of every save call of a real Trainer that trains the GPT of :func:`llm_shaped_checkpoint` for
+    """The seconds of every save call of a real Trainer that trains :func:`narrow_gpt` for
     ``steps`` steps on the CPU and saves it through ``DataStatesIO()`` after each."""
     import tempfile
 
@@ -113,8 +118,7 @@ def trainer_save_calls(layers: int, steps: int, width: int = 64) -> list[float]:
 
     from lightning_datastates import DataStatesIO
 
-    torch.manual_seed(0)
-    model = GPT(vocab=128, dim=width, layers=layers, heads=4, seq_len=16)
+    model = narrow_gpt(layers, width)
     plugin = DataStatesIO()
     with tempfile.TemporaryDirectory() as directory:
         trainer = L.Trainer(

@@ -127,7 +127,7 @@ def eager_record_keys(
     eager = set()
     for record in records:
         storage = storages[record.key]
-        small_on_host = record.nbytes <= eager_copy_size and storage.device.type == "cpu"
+        small_on_host = record.nbytes <= eager_copy_size and _in_host_memory(storage)
         if small_on_host or not lazy(storage):
             eager.add(record.key)
     return eager
@@ -162,4 +162,9 @@ def plan_lazy_copy(
 
 
 def _all_in_host_memory(chunk: Chunk, storages: list[torch.UntypedStorage]) -> bool:
-    return all(storages[piece.key].device.type == "cpu" for piece in chunk.pieces)
+    return all(_in_host_memory(storages[piece.key]) for piece in chunk.pieces)
+
+
+def _in_host_memory(storage: torch.UntypedStorage) -> bool:
+    """Whether ``storage`` lies in host memory (copied by address, written straight from it)."""
+    return storage.device.type == "cpu"
