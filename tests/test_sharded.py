@@ -27,6 +27,7 @@ from tests.s3_server import (  # noqa: F401 - the *_fixture imports register the
 )
 from tests.script_support import launch, run_to_completion
 from tests.sharded_script import TIED
+from tests.tensor_parallel_script import REPLICATED
 
 #: A sharded run starts slowly on a loaded 2-core machine; this only bounds a hang.
 _RUN_TIMEOUT_S = 600
@@ -159,6 +160,52 @@ def test_names_and_content_match_lightning_synchronous_sharded_save(tmp_path, tw
         theirs_read = _read_with_dcp(theirs / "ckpt" / name, theirs)
         assert_bit_equal(_read_with_dcp(ours / "ckpt" / name, tmp_path), theirs_read, name)
         assert _step_of(ours / "ckpt" / name) == _step_of(theirs / "ckpt" / name)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_checkpoints_match_lightnings_own_and_replicated_items_are_written_once(tmp_path):
+    """Tensor parallelism (2 ranks): column- and row-split weights, replicated biases, norm and head. Every checkpoint
+    reads back as Lightning's synchronous save of the same run does; each replicated DTensor is in rank 0's file
+    only (DCP's own save lets its coordinator spread them over both ranks)."""
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    for out, extra in ((ours, ()), (theirs, ("--sync",))):
+        run_to_completion(
+            "tensor_parallel_script.py", str(out), *extra, timeout_s=_RUN_TIMEOUT_S, what="tensor parallel"
+        )
+    names = sorted(os.listdir(ours / "ckpt"))
+    assert names == sorted(os.listdir(theirs / "ckpt")) and len(names) == 4
+    for name in names:
+        loaded = [_read_all_with_dcp(out / "ckpt" / name, out) for out in (ours, theirs)]
+        assert_bit_equal(loaded[0], loaded[1], name)
+        metadata = pickle.loads((ours / "ckpt" / name / ".metadata").read_bytes())
+        files = {index.fqn: info.relative_path for index, info in metadata.storage_data.items()}
+        for key in REPLICATED:
+            for item in (
+                f"state_dict.{key}",
+                f"optimizer_0.state.{key}.exp_avg",
+                f"optimizer_0.state.{key}.exp_avg_sq",
+            ):
+                assert files[item].startswith("__0_"), (name, item, files[item])
+        shard_files = sorted(f for f in os.listdir(ours / "ckpt" / name) if f.endswith(".distcp"))
+        sizes = [(ours / "ckpt" / name / f).stat().st_size for f in shard_files]
+        assert len(sizes) == 2 and sizes[1] < sizes[0], sizes  # rank 1 holds the same shards' sizes, less the replicas
+
+
+def _read_all_with_dcp(directory: pathlib.Path, scratch: pathlib.Path) -> dict:
+    """Everything in the checkpoint as DCP reads it on one process, flat and sorted by key."""
+    converted = scratch / f"{directory.name}.all.pt"
+    dcp_to_torch_save(str(directory), str(converted))
+    flat: dict = {}
+
+    def walk(value, prefix: str) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{prefix}.{key}" if prefix else str(key))
+        else:
+            flat[prefix] = value
+
+    walk(torch.load(converted, weights_only=False), "")
+    return dict(sorted(flat.items()))
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ import pickle
 import subprocess
 import sys
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,15 +17,18 @@ import torch.distributed.checkpoint as dcp
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 
+import lightning_datastates.sharded.saver as saver_module
 from lightning_datastates import DataStatesIO
+from lightning_datastates.errors import CheckpointCaptureError
 from lightning_datastates.sharded.commit import LIGHTNING_META_NAME
 from lightning_datastates.sharded.dcp_writer import DCP_METADATA_NAME, plan_checkpoint
 from lightning_datastates.sharded.layout import ArchivePlans, plan_shard_file
 from lightning_datastates.sharded.leftovers import PENDING_SUFFIX, clean_sharded_leftovers, mark_pending
+from lightning_datastates.sharded.saver import ShardedSaver
 from lightning_datastates.sharded.staging import LocalPlans, stage_shard
 from lightning_datastates.storage import LocalWriter
 from lightning_datastates.storage.leftovers import host_tag
-from tests.conftest import BNModel, assert_bit_equal, make_loader, make_trainer
+from tests.conftest import BNModel, assert_bit_equal, make_loader, make_trainer, temp_files
 from tests.s3_server import (  # noqa: F401 - the *_fixture imports register the fixtures
     free_port,
     s3_endpoint_fixture,
@@ -138,6 +142,16 @@ class _Metadata:
         self.storage_data = storage_data
 
 
+def _world_of_this_process(monkeypatch) -> None:
+    """A process group of this process alone for a Trainer's ModelParallelStrategy, and a seeded model."""
+    for name in ("LOCAL_RANK", "NODE_RANK"):  # Lightning sets them in this process: restored after the test
+        monkeypatch.setenv(name, "0")  # records the value before (or its absence) for the undo
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    torch.manual_seed(0)
+
+
 class _ParallelBNModel(BNModel):
     def configure_model(self) -> None:
         pass
@@ -147,12 +161,7 @@ def test_sharded_fit_on_s3_commits_each_checkpoint_after_its_files(tmp_path, s3,
     """One process (ModelParallel on CPU), checkpoints in a moto bucket, read back with DCP's fsspec reader."""
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-    for name in ("LOCAL_RANK", "NODE_RANK"):  # Lightning sets them in this process: restored after the test
-        monkeypatch.setenv(name, "0")  # records the value before (or its absence) for the undo
-        monkeypatch.delenv(name)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    torch.manual_seed(0)
+    _world_of_this_process(monkeypatch)
     checkpoint = ModelCheckpoint(dirpath=s3.url("run"), every_n_train_steps=1, save_top_k=2, monitor="step", mode="max")
     trainer = make_trainer(
         str(tmp_path),
@@ -182,15 +191,92 @@ def test_sharded_fit_on_s3_commits_each_checkpoint_after_its_files(tmp_path, s3,
             torch.distributed.destroy_process_group()
 
 
+def _one_process_fit(tmp_path, monkeypatch, plugin: DataStatesIO, strategy: ModelParallelStrategy, **kwargs) -> None:
+    """A ModelParallel fit of this process alone (4 steps, a checkpoint at each, all kept, and ``last.ckpt``)."""
+    _world_of_this_process(monkeypatch)
+    checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=1, save_top_k=-1, save_last=True)
+    trainer = make_trainer(str(tmp_path), plugin, callbacks=[checkpoint], strategy=strategy, devices=1, max_epochs=1)
+    try:
+        trainer.fit(_ParallelBNModel(width=32), make_loader(n=32))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def test_no_rank_learns_the_directory_before_rank_0_has_marked_it(tmp_path, monkeypatch):
+    """Other ranks write into a save's directory only once they know its path, which rank 0 broadcasts: the marker
+    must be on storage by then, or a run that dies could leave their files in a directory the next run's cleanup never
+    looks at (it removes only marked ones)."""
+    strategy = ModelParallelStrategy()
+    listings: dict[str, list[list[str]]] = {}
+    broadcast = strategy.broadcast
+
+    def recording_broadcast(obj, src=0):  # type: ignore[no-untyped-def]
+        for value in obj if isinstance(obj, tuple) else (obj,):  # the directory, wherever the value carries it
+            if isinstance(value, str | os.PathLike) and os.fspath(value).endswith(".ckpt"):
+                path = os.fspath(value)
+                listings.setdefault(path, []).append(sorted(os.listdir(path)) if os.path.isdir(path) else [])
+        return broadcast(obj, src)
+
+    strategy.broadcast = recording_broadcast  # type: ignore[method-assign]
+    _one_process_fit(tmp_path, monkeypatch, DataStatesIO(), strategy)
+    assert sorted(os.path.basename(p) for p in listings) == sorted(os.listdir(tmp_path / "ckpt"))
+    assert len(listings[str(tmp_path / "ckpt" / "last.ckpt")]) == 4  # saved at every step
+    for path, seen in listings.items():
+        for names in seen:
+            assert [n for n in names if n.endswith(PENDING_SUFFIX)], (path, names)
+    for directory in (tmp_path / "ckpt").iterdir():  # settled: every marker removed
+        assert not [n for n in os.listdir(directory) if n.endswith(PENDING_SUFFIX)]
+
+
+class _SaverHost:
+    """The plugin's part of a sharded save, as far as a save that fails before any write needs it."""
+
+    def __init__(self) -> None:
+        self.engine = SimpleNamespace(wait_path=lambda path: None)
+        self.cleaned: list[str] = []
+
+    def writer_for(self, path: str) -> LocalWriter:
+        return LocalWriter()
+
+    def raise_pending_failure(self, path: str | None = None) -> None:
+        pass
+
+    def clean_stale(self, directory: str) -> list[str]:
+        self.cleaned.append(directory)
+        return []
+
+    def lazy_for_save(self):  # type: ignore[no-untyped-def]
+        raise AssertionError("a save whose directory could not be marked must not capture anything")
+
+
+def test_a_directory_rank_0_cannot_mark_fails_the_save_on_every_rank_before_any_write(tmp_path, monkeypatch):
+    """Rank 0 sends its error instead of the go-ahead: it raises its own, every other rank a capture error naming
+    rank 0 (here the broadcast is played by the test: rank 0's half, then another rank's)."""
+    path = str(tmp_path / "ckpt" / "epoch=0-step=1.ckpt")
+
+    def refuse(writer: LocalWriter, directory: str) -> str:
+        raise PermissionError(13, "Permission denied (injected)", directory)
+
+    monkeypatch.setattr(saver_module, "mark_pending", refuse)
+    sent: list[object] = []
+    rank0 = ShardedSaver(_SaverHost(), 0, None, None)
+    with pytest.raises(PermissionError, match="injected"):
+        rank0.save({"w": torch.zeros(4)}, {}, path, lambda value: sent.append(value) or value)
+    assert sent == [(path, sent[0][1])] and "Permission denied" in str(sent[0][1])  # the others learn it
+
+    other_path = str(tmp_path / "other" / "epoch=0-step=1.ckpt")  # the other rank's own name for it is not used
+    rank1 = ShardedSaver(_SaverHost(), 1, None, None)
+    with pytest.raises(CheckpointCaptureError, match=r"rank 0 could not start sharded checkpoint .*Permission denied"):
+        rank1.save({"w": torch.zeros(4)}, {}, other_path, lambda value: sent[0])
+    assert not (tmp_path / "other").exists() and temp_files(str(tmp_path)) == []
+    assert rank0.committer.is_pending(path) is False and rank1.committer.is_pending(path) is False
+
+
 def test_shard_files_give_their_arena_blocks_back_once_written(tmp_path, monkeypatch):
     """DCP's reader reads shard files from storage: keeping their blocks to serve loads (``serve_from_memory``, on by
     default) would only hold a second checkpoint's worth of arena pages."""
-    for name in ("LOCAL_RANK", "NODE_RANK"):  # Lightning sets them in this process: restored after the test
-        monkeypatch.setenv(name, "0")
-        monkeypatch.delenv(name)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    torch.manual_seed(0)
+    _world_of_this_process(monkeypatch)
     plugin = DataStatesIO(eager_copy_size="1KiB")
     assert plugin.config.serve_from_memory
     checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=1, save_top_k=-1)
@@ -406,3 +492,90 @@ def test_a_dtensors_local_shard_is_what_to_local_gives(one_rank_mesh):
     assert not shard.requires_grad and shard.grad_fn is None
     plain = torch.zeros(3)
     assert local_shard(plain) is plain
+
+
+def _stage_and_plan_replicated(rank: int, world: int, port: int, directory: str) -> None:
+    """One rank of the test below: a replicated DTensor, a sharded one and a plain tensor, staged, written the plain
+    way and planned with DCP over the default group; rank 0 writes ``.metadata``. Each rank records its items."""
+    import json
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        torch.manual_seed(0)  # every rank the same full tensors: distribute_tensor keeps its part
+        full = _replicated_state()
+        state = {
+            "model": {
+                "norm": distribute_tensor(full["model"]["norm"], mesh, [Replicate()]),
+                "w": distribute_tensor(full["model"]["w"], mesh, [Shard(0)]),
+            },
+            "step": full["step"],
+        }
+        staged, shard = stage_shard(state, rank, ArchivePlans(None))
+        assert shard is not None
+        _write(shard, os.path.join(directory, staged.file_name))
+        planned = plan_checkpoint(staged, directory, dist.group.WORLD)
+        if rank == 0:
+            assert planned is not None
+            with open(os.path.join(directory, DCP_METADATA_NAME), "wb") as handle:
+                handle.write(planned.metadata_bytes)
+        items = sorted(item.index.fqn for item in staged.plan.items)
+        with open(os.path.join(directory, f"items{rank}.json"), "w") as handle:
+            json.dump({"file": staged.file_name, "items": items}, handle)
+    finally:
+        dist.destroy_process_group()
+
+
+def _replicated_state() -> dict:
+    return {"model": {"norm": torch.randn(16), "w": torch.randn(8, 4)}, "step": torch.tensor(3.0)}
+
+
+def test_a_replicated_dtensor_is_written_by_one_rank_and_dcp_reads_it_back(tmp_path):
+    """Every rank holds a replicated DTensor's whole local tensor; only the rank at coordinate 0 of the replicated
+    dimension copies and writes it (DCP's coordinator would keep one copy anyway). Two real processes over gloo."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    mp.spawn(_stage_and_plan_replicated, args=(2, free_port(), str(directory)), nprocs=2, join=True)
+    ranks = [json.loads((directory / f"items{rank}.json").read_text()) for rank in range(2)]
+    assert ranks[0]["items"] == ["model.norm", "model.w", "step"]
+    assert ranks[1]["items"] == ["model.w", "step"]  # the replica is left to rank 0; shards and plain items stay
+    metadata = pickle.loads((directory / DCP_METADATA_NAME).read_bytes())
+    norm = [info.relative_path for index, info in metadata.storage_data.items() if index.fqn == "model.norm"]
+    assert norm == [ranks[0]["file"]]
+    torch.manual_seed(0)
+    expected = _replicated_state()
+    target = {"model": {"norm": torch.zeros(16), "w": torch.zeros(8, 4)}, "step": torch.tensor(0.0)}
+    dcp.load(target, checkpoint_id=str(directory), no_dist=True)
+    assert_bit_equal(target, expected, "loaded")
+
+
+@pytest.mark.parametrize(
+    ("coordinate", "placements", "writes"),
+    [
+        ([0, 0], ["replicate", "shard"], True),
+        ([0, 3], ["replicate", "shard"], True),  # HSDP: the first replica group writes every shard
+        ([1, 3], ["replicate", "shard"], False),
+        ([1, 0], ["shard", "replicate"], True),
+        ([1, 1], ["shard", "replicate"], False),
+        ([1, 0], ["shard", "shard"], True),
+        ([2], ["shard"], True),
+        (None, ["replicate"], False),  # not on the mesh
+    ],
+)
+def test_of_the_ranks_holding_one_replica_the_first_on_each_replicated_dimension_writes_it(
+    coordinate, placements, writes
+):
+    from torch.distributed.tensor import Replicate, Shard
+
+    from lightning_datastates.sharded.staging import _first_replica
+
+    made = [Replicate() if p == "replicate" else Shard(0) for p in placements]
+    assert _first_replica(coordinate, made) is writes

@@ -1,13 +1,15 @@
 """What a sharded save that never committed leaves on storage, and how the next run removes it.
 
 While a sharded save is in flight, rank 0 keeps a marker in its directory, named like every leftover of this package
-(``.commit.<host>.<pid>.<token>.datastates-pending``, :mod:`~lightning_datastates.storage.leftovers`), and removes it
-once the checkpoint is committed or discarded. A directory with a marker whose writer is gone (by the same rule as
-temporary files: a dead process of this host at once, another host's once ``stale_after_s`` old) holds a save that
-died in flight: without ``meta.pt`` it is no checkpoint at all and is removed whole; with one, it still holds the
-checkpoint committed there before, and only the files that checkpoint's ``.metadata`` does not name are removed. The
-open uploads the dead ranks left in it go first (S3). Every backend that lists directories is cleaned this way
-(local, S3, other fsspec: :meth:`~lightning_datastates.storage.base.StorageWriter.list_directory`).
+(``.commit.<host>.<pid>.<token>.datastates-pending``, :mod:`~lightning_datastates.storage.leftovers`), and removes
+it once the checkpoint is committed or discarded. It is written before any other rank learns the directory
+(:class:`~lightning_datastates.sharded.saver.ShardedSaver`), so that every file of the save lands after it. A
+directory with a marker whose writer is gone (by the same rule as temporary files: a dead process of this host at
+once, another host's once ``stale_after_s`` old) holds a save that died in flight: without ``meta.pt`` it is no
+checkpoint at all and is removed whole; with one, it still holds the checkpoint committed there before, and only the
+files that checkpoint's ``.metadata`` does not name are removed. The open uploads the dead ranks left in it go first
+(S3). Every backend that lists directories is cleaned this way (local, S3, other fsspec:
+:meth:`~lightning_datastates.storage.base.StorageWriter.list_directory`).
 """
 
 from __future__ import annotations

@@ -47,10 +47,11 @@ def install(strategy: Any, saver: ShardedSaver, drain: Any) -> None:
                 f"`{type(strategy).__name__}.save_checkpoint(..., storage_options=...)` is not supported with "
                 "DataStatesIO: pass storage options once as `DataStatesIO(storage_options=...)`"
             )
-        path = checkpoint_path_str(strategy.broadcast(filepath))  # every rank saves into rank 0's directory
+        # Every rank saves into rank 0's directory: the saver broadcasts it once rank 0 has marked it.
+        path = checkpoint_path_str(filepath)
         state = {"state_dict": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        saver.save(state, checkpoint, path)
+        saver.save(state, checkpoint, path, strategy.broadcast)
 
     def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
         drain()  # a checkpoint this run saved is committed before it is read

@@ -2,9 +2,10 @@
 the engine copies and writes the file lazily, the committer plans the checkpoint with DCP over a gloo group and
 publishes it once every rank's file is durable.
 
-Call order (training thread of every rank, inside the strategy's ``save_checkpoint``): :meth:`ShardedSaver.save`.
-Then, on engine threads, the copy and write of this rank's file; on the committer thread, DCP's global planning, the
-exchange and the commit (:mod:`~lightning_datastates.sharded.commit`).
+Call order (training thread of every rank, inside the strategy's ``save_checkpoint``): :meth:`ShardedSaver.save`,
+whose first act is the one collective on the training thread: rank 0 marks the directory as holding a save in flight
+and then broadcasts its path. Then, on engine threads, the copy and write of this rank's file; on the committer
+thread, DCP's global planning, the exchange and the commit (:mod:`~lightning_datastates.sharded.commit`).
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ from __future__ import annotations
 import io
 import os
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 
 from lightning_datastates.capture.layout import VerifiedStructures
+from lightning_datastates.errors import CheckpointCaptureError
 from lightning_datastates.interrupts import sigint_deferred
 from lightning_datastates.sharded.commit import ShardedCommitter, ShardedSave
 from lightning_datastates.sharded.dcp_writer import join_path
@@ -64,14 +67,17 @@ class ShardedSaver:
         self._cleaned: set[str] = set()
         self.committer = ShardedCommitter(group, rank, host.engine.wait_path, host.writer_for)
 
-    def save(self, state: dict[str, Any], meta: dict[str, Any], path: str) -> None:
+    def save(self, state: dict[str, Any], meta: dict[str, Any], path: str, broadcast: Callable[[Any], Any]) -> None:
         """Save ``state`` (tensors, sharded or not) in DCP's format into directory ``path``, and ``meta`` as
         Lightning's ``meta.pt`` (rank 0); return once training may go on (outside the training loop: once committed).
 
-        No collective runs here: DCP's planning runs on the committer thread (see the module docstring).
+        ``path`` counts as rank 0 gives it: ``broadcast`` (the strategy's) sends rank 0's value to every rank. It is
+        the only collective here; DCP's planning runs on the committer thread (see the module docstring).
 
         Raises:
             CheckpointFlushError: an earlier background write failed (raised once).
+            CheckpointCaptureError: rank 0 could not mark the directory (on the other ranks; rank 0 raises its own
+                error): nothing was written.
             LayoutUnsupported: torch refused to plan a tensor's archive (the save fails on every rank; raised here).
         """
         started = time.perf_counter()
@@ -79,11 +85,8 @@ class ShardedSaver:
         host.raise_pending_failure()
         # No wait for an earlier save of this directory (last.ckpt at every step): each save writes files of its own,
         # and the committer publishes the saves in order, each removing the files of the one it replaces.
+        path, marker = self._announce(path, broadcast)
         writer = host.writer_for(path)
-        if is_local_path(path):
-            _prepare_local_directory(local_path(path))
-        # Removed once the save is settled; a dead run's marker is found by the next run (sharded/leftovers.py).
-        marker = mark_pending(writer, path) if self.rank == 0 else None
         directory = os.path.dirname(path.rstrip("/")) or "."
         if self.rank == 0 and directory not in self._cleaned:
             self._cleaned.add(directory)
@@ -116,6 +119,32 @@ class ShardedSaver:
             finally:
                 host.engine.wait_copies(attribute=False)
             host.raise_pending_failure(path)
+
+    def _announce(self, path: str, broadcast: Callable[[Any], Any]) -> tuple[str, str | None]:
+        """Every rank: the directory rank 0 names, prepared, and (rank 0) the in-flight marker written in it.
+
+        Rank 0 writes its marker *before* the path reaches the other ranks, so that nothing of this save lands in the
+        directory unmarked: whatever a save that dies leaves there is found by the next run's cleanup
+        (:mod:`~lightning_datastates.sharded.leftovers`). A rank 0 that cannot mark sends its error instead of a
+        go-ahead, so that every rank fails this save at once rather than wait for it in DCP's planning.
+        """
+        marker: str | None = None
+        failure: BaseException | None = None
+        if self.rank == 0:
+            try:
+                if is_local_path(path):
+                    _prepare_local_directory(local_path(path))
+                marker = mark_pending(self._host.writer_for(path), path)
+            except Exception as exc:  # noqa: BLE001 - sent to every rank, raised below
+                failure = exc
+        path, error = broadcast((path, None if failure is None else repr(failure)))
+        if failure is not None:
+            raise failure
+        if error is not None:
+            raise CheckpointCaptureError(f"rank 0 could not start sharded checkpoint {path}: {error}")
+        if self.rank != 0 and is_local_path(path):
+            _prepare_local_directory(local_path(path))
+        return path, marker
 
 
 def _prepare_local_directory(path: str) -> None:

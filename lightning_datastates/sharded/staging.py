@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import uuid
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, cast
 
@@ -46,13 +47,13 @@ class LocalPlans:
         self.hits = 0
 
     def plan(self, planner: DefaultSavePlanner) -> SavePlan:
-        """``planner.create_local_plan()`` (the planner is set up), or the same plan kept from the previous save."""
+        """:func:`local_plan` of ``planner`` (set up), or the same plan kept from the previous save."""
         structure = _structure(planner.state_dict)
         if structure is not None and self._plan is not None and structure == self._structure:
             self.hits += 1
             # The items are the same; the mapping from flat keys to the state dict's nesting is this save's own.
             return replace(self._plan, planner_data=planner.mappings if planner.flatten_state_dict else None)
-        plan = planner.create_local_plan()
+        plan = local_plan(planner)
         self._structure, self._plan = structure, plan
         return plan
 
@@ -69,7 +70,7 @@ def stage_shard(
     planner = DefaultSavePlanner()
     # DCP's coordinator is rank 0 of the group it plans over; the committer's group spans every rank in order.
     planner.set_up_planner(state, storage_meta=None, is_coordinator=rank == 0)
-    local = planner.create_local_plan() if local_plans is None else local_plans.plan(planner)
+    local = local_plan(planner) if local_plans is None else local_plans.plan(planner)
     name = _new_file_name(rank)
     plan = replace(local, storage_data=ShardFileName(name))
     if not plan.items:
@@ -78,6 +79,41 @@ def stage_shard(
     shard = plan_shard_file(payloads, plans.alignment, plans)
     extents = {item_key(item.index): extent for item, extent in zip(plan.items, shard.extents, strict=True)}
     return StagedShard(plan, name, extents), shard
+
+
+def local_plan(planner: DefaultSavePlanner) -> SavePlan:
+    """DCP's local plan (the planner is set up), without the DTensor items another rank writes.
+
+    Of the ranks that hold the same local shard of a DTensor (they differ only in their coordinates on the mesh
+    dimensions it is replicated over: HSDP's replica groups, tensor parallelism's replicated biases), the one at
+    coordinate 0 on each of those dimensions writes it. DCP plans such an item on every holder and its coordinator
+    keeps one, but our files are planned and written before that choice, so every holder would copy and write it;
+    the rule needs no exchange and picks exactly one holder. DCP's planning then finds each of these items once.
+    Plain tensors and pickled objects stay on every rank: a rank cannot tell alone which others hold them.
+    """
+    from torch.distributed.tensor import DTensor
+
+    plan = planner.create_local_plan()
+    writes_here: dict[tuple[Any, ...], bool] = {}  # by (mesh, placements): a state has a handful of them
+    items = []
+    for item in plan.items:
+        obj = planner.state_dict.get(item.index.fqn)
+        if isinstance(obj, DTensor):
+            key = (obj.device_mesh, obj.placements)
+            if key not in writes_here:
+                writes_here[key] = _first_replica(obj.device_mesh.get_coordinate(), obj.placements)
+            if not writes_here[key]:
+                continue
+        items.append(item)
+    return plan if len(items) == len(plan.items) else replace(plan, items=items)
+
+
+def _first_replica(coordinate: Sequence[int] | None, placements: Any) -> bool:
+    """Whether a rank at ``coordinate`` of a mesh is, among those holding the same local shard of a DTensor placed
+    by ``placements``, the one at coordinate 0 of every dimension the tensor is replicated over (pure)."""
+    if coordinate is None:  # not on the mesh: DCP plans nothing for it either
+        return False
+    return all(index == 0 for index, placement in zip(coordinate, placements, strict=True) if placement.is_replicate())
 
 
 def failed_staging(rank: int, error: BaseException) -> StagedShard:

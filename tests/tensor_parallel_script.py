@@ -1,0 +1,88 @@
+"""A tensor-parallel CPU (gloo) run with DataStatesIO, launched by tests/test_sharded.py.
+
+``python tests/tensor_parallel_script.py OUT [--sync]``
+
+Lightning relaunches this script for rank 1. ``ModelParallelStrategy`` with a tensor-parallel mesh of 2 ranks: the
+first linear layer is split by columns, the second by rows (its bias replicated), and the norm and the head are
+replicated DTensors on both ranks. ``ModelCheckpoint`` saves every step, all kept, into ``OUT/ckpt``: through the
+plugin, or with ``--sync`` through Lightning's own synchronous sharded save.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_datastates import DataStatesIO
+
+WIDTH = 32
+#: The layers whose parameters both ranks hold whole (replicated DTensors).
+REPLICATED = ("layers.3.weight", "layers.3.bias", "layers.4.weight", "layers.4.bias", "layers.2.bias")
+
+
+class TensorParallelMLP(L.LightningModule):
+    """Column- then row-parallel linear layers, then a replicated norm and head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(
+            nn.Linear(WIDTH, 2 * WIDTH),
+            nn.ReLU(),
+            nn.Linear(2 * WIDTH, WIDTH),
+            nn.LayerNorm(WIDTH),
+            nn.Linear(WIDTH, 1),
+        )
+
+    def configure_model(self) -> None:
+        from torch.distributed.tensor import distribute_module
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = self.device_mesh["tensor_parallel"]
+        # The row-parallel output stays a (replicated) DTensor for the replicated norm and head after it.
+        parallelize_module(self.layers, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel(use_local_output=False)})
+        for index in (3, 4):
+            distribute_module(self.layers[index], mesh)  # every parameter replicated
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self.layers(x)
+        return nn.functional.mse_loss(out.to_local() if hasattr(out, "to_local") else out, y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--sync", action="store_true", help="Lightning's own synchronous sharded save (no plugin)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(32, WIDTH, generator=generator)
+    data = DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=8)
+    trainer = L.Trainer(
+        default_root_dir=args.out,
+        accelerator="cpu",
+        devices=2,
+        strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2),
+        plugins=[] if args.sync else [DataStatesIO()],
+        callbacks=[ModelCheckpoint(dirpath=os.path.join(args.out, "ckpt"), every_n_train_steps=1, save_top_k=-1)],
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(TensorParallelMLP(), data)
+
+
+if __name__ == "__main__":
+    main()
