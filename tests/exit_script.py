@@ -16,6 +16,7 @@ state are written to ``OUT/ref`` (see tests/script_support.py). ``BROKEN_EXIT=1`
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -78,6 +79,9 @@ class Interrupter(Callback):
 
 def main() -> None:
     out, how = sys.argv[1], sys.argv[2]
+    # Ctrl+C as in a terminal: an ignored SIGINT inherited from the test runner's process (a worker left it so once,
+    # cause not found) must not decide the outcome.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     slow_local_writes(WRITE_DELAY_S)
     if os.environ.get("BROKEN_EXIT") == "1":
         break_draining()

@@ -120,7 +120,18 @@ def test_sigkill_leaves_whole_files_or_none_and_the_next_run_cleans_up(tmp_path)
     assert temp_files(str(tmp_path)) == []
 
 
-def test_ctrl_c_during_capture_is_delivered_after_it_and_nothing_is_lost(tmp_path, monkeypatch):
+@pytest.fixture
+def python_sigint_handler():
+    """Python's own SIGINT handler for the test, whatever an earlier test in this process left (a test-runner worker
+    was once found with SIGINT ignored, cause not found); the handler before is restored afterwards."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_during_capture_is_delivered_after_it_and_nothing_is_lost(tmp_path, monkeypatch, python_sigint_handler):
     """SIGINT at the worst moment of a capture (registered, not yet queued) must not strand the checkpoint."""
     plugin = in_background(DataStatesIO(host_cache="1MiB"))
     path = str(tmp_path / "a.ckpt")
