@@ -5,13 +5,16 @@
 Lightning relaunches this script for rank 1. ``ModelParallelStrategy`` with a tensor-parallel mesh of 2 ranks: the
 first linear layer is split by columns, the second by rows (its bias replicated), and the norm and the head are
 replicated DTensors on both ranks. ``ModelCheckpoint`` saves every step, all kept, into ``OUT/ckpt``: through the
-plugin, or with ``--sync`` through Lightning's own synchronous sharded save.
+plugin, or with ``--sync`` through Lightning's own synchronous sharded save. Each rank writes the keys of the items
+it staged for each save (its file's content) to ``OUT/staged<rank>.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+from typing import Any
 
 import lightning as L
 import torch
@@ -20,6 +23,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import lightning_datastates.sharded.saver as saver_module
 from lightning_datastates import DataStatesIO
 
 WIDTH = 32
@@ -60,12 +64,27 @@ class TensorParallelMLP(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
+def record_staged_items() -> list[list[str]]:
+    """The keys of the items this rank stages for each save, in save order."""
+    staged_items: list[list[str]] = []
+    stage_shard = saver_module.stage_shard
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        staged, shard = stage_shard(*args, **kwargs)
+        staged_items.append(sorted(item.index.fqn for item in staged.plan.items))
+        return staged, shard
+
+    saver_module.stage_shard = recorded  # type: ignore[assignment]
+    return staged_items
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--sync", action="store_true", help="Lightning's own synchronous sharded save (no plugin)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    staged_items = record_staged_items()
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(32, WIDTH, generator=generator)
     data = DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=8)
@@ -82,6 +101,8 @@ def main() -> None:
         enable_model_summary=False,
     )
     trainer.fit(TensorParallelMLP(), data)
+    with open(os.path.join(args.out, f"staged{trainer.global_rank}.json"), "w") as handle:
+        json.dump(staged_items, handle)
 
 
 if __name__ == "__main__":

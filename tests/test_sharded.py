@@ -165,8 +165,8 @@ def test_names_and_content_match_lightning_synchronous_sharded_save(tmp_path, tw
 @pytest.mark.slow
 def test_tensor_parallel_checkpoints_match_lightnings_own_and_replicated_items_are_written_once(tmp_path):
     """Tensor parallelism (2 ranks): column- and row-split weights, replicated biases, norm and head. Every checkpoint
-    reads back as Lightning's synchronous save of the same run does; each replicated DTensor is in rank 0's file
-    only (DCP's own save lets its coordinator spread them over both ranks)."""
+    reads back as Lightning's synchronous save of the same run does; each replicated DTensor is in one rank's file
+    (the items each rank staged, recorded by the script), the two ranks sharing them."""
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
     for out, extra in ((ours, ()), (theirs, ("--sync",))):
         run_to_completion(
@@ -174,21 +174,24 @@ def test_tensor_parallel_checkpoints_match_lightnings_own_and_replicated_items_a
         )
     names = sorted(os.listdir(ours / "ckpt"))
     assert names == sorted(os.listdir(theirs / "ckpt")) and len(names) == 4
+    replicas = [f"{prefix}{key}{suffix}" for key in REPLICATED for prefix, suffix in _STATE_KEYS]
     for name in names:
         loaded = [_read_all_with_dcp(out / "ckpt" / name, out) for out in (ours, theirs)]
         assert_bit_equal(loaded[0], loaded[1], name)
-        metadata = pickle.loads((ours / "ckpt" / name / ".metadata").read_bytes())
-        files = {index.fqn: info.relative_path for index, info in metadata.storage_data.items()}
-        for key in REPLICATED:
-            for item in (
-                f"state_dict.{key}",
-                f"optimizer_0.state.{key}.exp_avg",
-                f"optimizer_0.state.{key}.exp_avg_sq",
-            ):
-                assert files[item].startswith("__0_"), (name, item, files[item])
-        shard_files = sorted(f for f in os.listdir(ours / "ckpt" / name) if f.endswith(".distcp"))
-        sizes = [(ours / "ckpt" / name / f).stat().st_size for f in shard_files]
-        assert len(sizes) == 2 and sizes[1] < sizes[0], sizes  # rank 1 holds the same shards' sizes, less the replicas
+        storage = pickle.loads((ours / "ckpt" / name / ".metadata").read_bytes()).storage_data
+        holders = {index.fqn: info.relative_path[:4] for index, info in storage.items()}
+        assert {holders[item] for item in replicas} == {"__0_", "__1_"}, holders  # the ranks share the replicas
+    # What each rank put in its file at each save: every replicated tensor in one file, the rest in both.
+    staged = [json.loads((ours / f"staged{rank}.json").read_text()) for rank in (0, 1)]
+    assert len(staged[0]) == len(staged[1]) == 4
+    for rank0, rank1 in zip(*staged, strict=True):
+        assert sorted((set(rank0) | set(rank1)) & set(replicas)) == sorted(replicas)
+        assert set(rank0) & set(rank1) & set(replicas) == set(), set(rank0) & set(rank1)
+        assert set(rank0) - set(replicas) == set(rank1) - set(replicas)  # shards of split weights, plain items
+
+
+#: Where a parameter's values are in a checkpoint: its weights, and its two AdamW moments.
+_STATE_KEYS = (("state_dict.", ""), ("optimizer_0.state.", ".exp_avg"), ("optimizer_0.state.", ".exp_avg_sq"))
 
 
 def _read_all_with_dcp(directory: pathlib.Path, scratch: pathlib.Path) -> dict:

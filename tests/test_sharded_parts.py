@@ -19,8 +19,8 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 import lightning_datastates.sharded.saver as saver_module
 from lightning_datastates import DataStatesIO
-from lightning_datastates.errors import CheckpointCaptureError
-from lightning_datastates.sharded.commit import LIGHTNING_META_NAME
+from lightning_datastates.errors import CheckpointCaptureError, CheckpointFlushError
+from lightning_datastates.sharded.commit import LIGHTNING_META_NAME, ShardedSave
 from lightning_datastates.sharded.dcp_writer import DCP_METADATA_NAME, plan_checkpoint
 from lightning_datastates.sharded.layout import ArchivePlans, plan_shard_file
 from lightning_datastates.sharded.leftovers import PENDING_SUFFIX, clean_sharded_leftovers, mark_pending
@@ -230,47 +230,77 @@ def test_no_rank_learns_the_directory_before_rank_0_has_marked_it(tmp_path, monk
 
 
 class _SaverHost:
-    """The plugin's part of a sharded save, as far as a save that fails before any write needs it."""
+    """The plugin's part of a sharded save, as far as a save that fails before it captures anything needs it;
+    ``pending`` is the earlier background failure it raises, if any."""
 
-    def __init__(self) -> None:
+    def __init__(self, pending: BaseException | None = None) -> None:
         self.engine = SimpleNamespace(wait_path=lambda path: None)
-        self.cleaned: list[str] = []
+        self.pending = pending
 
     def writer_for(self, path: str) -> LocalWriter:
         return LocalWriter()
 
     def raise_pending_failure(self, path: str | None = None) -> None:
-        pass
+        if self.pending is not None:
+            raise self.pending
 
     def clean_stale(self, directory: str) -> list[str]:
-        self.cleaned.append(directory)
         return []
 
     def lazy_for_save(self):  # type: ignore[no-untyped-def]
-        raise AssertionError("a save whose directory could not be marked must not capture anything")
+        raise AssertionError("a save that failed before its capture must not capture anything")
 
 
-def test_a_directory_rank_0_cannot_mark_fails_the_save_on_every_rank_before_any_write(tmp_path, monkeypatch):
+def _refuse_to_mark(writer: LocalWriter, directory: str) -> str:
+    raise PermissionError(13, "Permission denied (injected)", directory)
+
+
+@pytest.mark.parametrize("failing", ["mark", "meta"])
+def test_a_save_rank_0_cannot_start_fails_on_every_rank_and_leaves_nothing(tmp_path, monkeypatch, failing):
     """Rank 0 sends its error instead of the go-ahead: it raises its own, every other rank a capture error naming
-    rank 0 (here the broadcast is played by the test: rank 0's half, then another rank's)."""
+    rank 0's (here the broadcast is played by the test: rank 0's half, then another rank's). Nothing is left: no
+    directory, no marker, no temporary file, no save handed to a committer."""
     path = str(tmp_path / "ckpt" / "epoch=0-step=1.ckpt")
-
-    def refuse(writer: LocalWriter, directory: str) -> str:
-        raise PermissionError(13, "Permission denied (injected)", directory)
-
-    monkeypatch.setattr(saver_module, "mark_pending", refuse)
+    meta: dict = {"global_step": 1}
+    if failing == "mark":
+        monkeypatch.setattr(saver_module, "mark_pending", _refuse_to_mark)
+        error, text = PermissionError, "Permission denied"
+    else:
+        meta["callback"] = lambda: None  # Lightning's meta.pt is pickled: a lambda cannot be
+        error, text = AttributeError, "local object"
     sent: list[object] = []
     rank0 = ShardedSaver(_SaverHost(), 0, None, None)
-    with pytest.raises(PermissionError, match="injected"):
-        rank0.save({"w": torch.zeros(4)}, {}, path, lambda value: sent.append(value) or value)
-    assert sent == [(path, sent[0][1])] and "Permission denied" in str(sent[0][1])  # the others learn it
+    submitted: list[object] = []
+    monkeypatch.setattr(rank0.committer, "submit", submitted.append)
+    with pytest.raises(error):
+        rank0.save({"w": torch.zeros(4)}, meta, path, lambda value: sent.append(value) or value)
+    assert sent == [(path, sent[0][1])] and text in str(sent[0][1])  # the others learn it
+    assert not (tmp_path / "ckpt" / "epoch=0-step=1.ckpt").exists() and submitted == []
 
     other_path = str(tmp_path / "other" / "epoch=0-step=1.ckpt")  # the other rank's own name for it is not used
     rank1 = ShardedSaver(_SaverHost(), 1, None, None)
-    with pytest.raises(CheckpointCaptureError, match=r"rank 0 could not start sharded checkpoint .*Permission denied"):
+    monkeypatch.setattr(rank1.committer, "submit", submitted.append)
+    with pytest.raises(CheckpointCaptureError, match=rf"rank 0 could not start sharded checkpoint .*{text}"):
         rank1.save({"w": torch.zeros(4)}, {}, other_path, lambda value: sent[0])
-    assert not (tmp_path / "other").exists() and temp_files(str(tmp_path)) == []
-    assert rank0.committer.is_pending(path) is False and rank1.committer.is_pending(path) is False
+    assert not (tmp_path / "other").exists() and temp_files(str(tmp_path)) == [] and submitted == []
+
+
+def test_an_earlier_failure_raised_at_a_save_fails_that_save_on_every_rank(tmp_path, monkeypatch):
+    """A rank that raises an earlier write's failure at a save does so after the broadcast, and hands the save to its
+    committer as failed: the other ranks' committers, planning it with DCP, learn it instead of waiting for a plan
+    that never comes (real ranks: tests/test_sharded.py), and rank 0's committer removes the marker."""
+    path = str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
+    earlier = CheckpointFlushError("writing checkpoint epoch=0-step=1.ckpt failed (injected)", "epoch=0-step=1.ckpt")
+    broadcasts: list[object] = []
+    for rank in (0, 1):
+        saver = ShardedSaver(_SaverHost(pending=earlier), rank, None, None)
+        submitted: list[ShardedSave] = []
+        monkeypatch.setattr(saver.committer, "submit", submitted.append)
+        with pytest.raises(CheckpointFlushError, match="injected"):
+            saver.save({"w": torch.zeros(4)}, {}, path, lambda value: broadcasts.append(value) or value)
+        assert [(s.path, s.shard, s.staged.error) for s in submitted] == [(path, None, earlier)]
+        assert (submitted[0].marker is not None) is (rank == 0)  # the committer removes it once settled
+    assert len(broadcasts) == 2  # every rank took part in the broadcast
 
 
 def test_shard_files_give_their_arena_blocks_back_once_written(tmp_path, monkeypatch):
@@ -511,6 +541,7 @@ def _stage_and_plan_replicated(rank: int, world: int, port: int, directory: str)
         state = {
             "model": {
                 "norm": distribute_tensor(full["model"]["norm"], mesh, [Replicate()]),
+                "bias": distribute_tensor(full["model"]["bias"], mesh, [Replicate()]),
                 "w": distribute_tensor(full["model"]["w"], mesh, [Shard(0)]),
             },
             "step": full["step"],
@@ -531,12 +562,15 @@ def _stage_and_plan_replicated(rank: int, world: int, port: int, directory: str)
 
 
 def _replicated_state() -> dict:
-    return {"model": {"norm": torch.randn(16), "w": torch.randn(8, 4)}, "step": torch.tensor(3.0)}
+    return {
+        "model": {"norm": torch.randn(16), "bias": torch.randn(8), "w": torch.randn(8, 4)},
+        "step": torch.tensor(3.0),
+    }
 
 
-def test_a_replicated_dtensor_is_written_by_one_rank_and_dcp_reads_it_back(tmp_path):
-    """Every rank holds a replicated DTensor's whole local tensor; only the rank at coordinate 0 of the replicated
-    dimension copies and writes it (DCP's coordinator would keep one copy anyway). Two real processes over gloo."""
+def test_each_replicated_dtensor_is_written_by_one_rank_and_dcp_reads_it_back(tmp_path):
+    """Every rank holds a replicated DTensor's whole local tensor; one of them copies and writes it, the replicated
+    tensors dealt between the ranks by size (DCP's coordinator would keep one copy anyway). Two processes, gloo."""
     import json
 
     import torch.multiprocessing as mp
@@ -545,37 +579,57 @@ def test_a_replicated_dtensor_is_written_by_one_rank_and_dcp_reads_it_back(tmp_p
     directory.mkdir()
     mp.spawn(_stage_and_plan_replicated, args=(2, free_port(), str(directory)), nprocs=2, join=True)
     ranks = [json.loads((directory / f"items{rank}.json").read_text()) for rank in range(2)]
+    # The larger replica to rank 0, the smaller to rank 1; the shards and the plain tensor on both.
     assert ranks[0]["items"] == ["model.norm", "model.w", "step"]
-    assert ranks[1]["items"] == ["model.w", "step"]  # the replica is left to rank 0; shards and plain items stay
+    assert ranks[1]["items"] == ["model.bias", "model.w", "step"]
     metadata = pickle.loads((directory / DCP_METADATA_NAME).read_bytes())
-    norm = [info.relative_path for index, info in metadata.storage_data.items() if index.fqn == "model.norm"]
-    assert norm == [ranks[0]["file"]]
+    files = {index.fqn: info.relative_path for index, info in metadata.storage_data.items() if index.fqn != "model.w"}
+    assert files == {"model.norm": ranks[0]["file"], "model.bias": ranks[1]["file"], "step": files["step"]}
     torch.manual_seed(0)
     expected = _replicated_state()
-    target = {"model": {"norm": torch.zeros(16), "w": torch.zeros(8, 4)}, "step": torch.tensor(0.0)}
+    target = {
+        "model": {"norm": torch.zeros(16), "bias": torch.zeros(8), "w": torch.zeros(8, 4)},
+        "step": torch.tensor(0.0),
+    }
     dcp.load(target, checkpoint_id=str(directory), no_dist=True)
     assert_bit_equal(target, expected, "loaded")
 
 
 @pytest.mark.parametrize(
-    ("coordinate", "placements", "writes"),
+    ("coordinate", "shape", "placements", "position"),
     [
-        ([0, 0], ["replicate", "shard"], True),
-        ([0, 3], ["replicate", "shard"], True),  # HSDP: the first replica group writes every shard
-        ([1, 3], ["replicate", "shard"], False),
-        ([1, 0], ["shard", "replicate"], True),
-        ([1, 1], ["shard", "replicate"], False),
-        ([1, 0], ["shard", "shard"], True),
-        ([2], ["shard"], True),
-        (None, ["replicate"], False),  # not on the mesh
+        ([0, 3], [2, 4], ["replicate", "shard"], (0, 2)),  # HSDP: replica groups along dimension 0
+        ([1, 3], [2, 4], ["replicate", "shard"], (1, 2)),
+        ([1, 2], [2, 4], ["shard", "replicate"], (2, 4)),
+        ([1, 2, 1], [2, 3, 2], ["replicate", "strided", "replicate"], (3, 4)),  # mixed radix over dimensions 0, 2
+        ([1, 0], [2, 2], ["shard", "partial"], (0, 1)),  # nothing replicated: every rank holds its own
+        ([2], [4], ["shard"], (0, 1)),
+        (None, [2], ["replicate"], None),  # not on the mesh
     ],
 )
-def test_of_the_ranks_holding_one_replica_the_first_on_each_replicated_dimension_writes_it(
-    coordinate, placements, writes
+def test_a_ranks_position_among_the_replicas_of_a_shard_reads_its_replicated_coordinates(
+    coordinate, shape, placements, position
 ):
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
-    from lightning_datastates.sharded.staging import _first_replica
+    from lightning_datastates.sharded.staging import replica_position
 
-    made = [Replicate() if p == "replicate" else Shard(0) for p in placements]
-    assert _first_replica(coordinate, made) is writes
+    kinds = {
+        "replicate": Replicate(),
+        "shard": Shard(0),
+        "partial": Partial(),
+        "strided": _StridedShard(0, split_factor=2),
+    }
+    assert replica_position(coordinate, shape, [kinds[p] for p in placements]) == position
+
+
+def test_replicated_items_are_dealt_largest_first_to_the_least_loaded_replica():
+    from lightning_datastates.sharded.staging import deal_by_size
+
+    items = [(("a", ()), 10), (("b", ()), 40), (("c", ()), 30), (("d", ()), 0), (("e", ()), 20)]
+    # b(40) -> 0; c(30) -> 1; e(20) -> 1 (30 < 40); a(10) -> 0 (40 < 50); d(0, counted as 1) -> 0 (50 = 50: lowest)
+    assert deal_by_size(items, 2) == [0, 0, 1, 0, 1]
+    assert deal_by_size(list(reversed(items)), 2) == list(reversed([0, 0, 1, 0, 1]))  # the order given is no input
+    assert deal_by_size(items, 1) == [0] * 5
+    assert deal_by_size([], 3) == []

@@ -247,7 +247,7 @@ class ShardedCommitter:
         if save.marker is not None:
             self._remove_files(writer, save.path, [_name(save.marker)])
         if not writer.exists(join_path(save.path, LIGHTNING_META_NAME)):
-            _remove_empty_local_directory(save.path)  # an empty directory named like a checkpoint would trip a resume
+            remove_empty_local_directory(save.path)  # an empty directory named like a checkpoint would trip a resume
         return "; ".join(f"rank {rank} failed: {error}" for rank, error in failed)
 
     def _remove_files(self, writer: StorageWriter, directory: str, names: Any) -> None:
@@ -296,7 +296,9 @@ def _name(path: str) -> str:
     return path.rstrip("/").rsplit("/", 1)[-1]
 
 
-def _remove_empty_local_directory(path: str) -> None:
+def remove_empty_local_directory(path: str) -> None:
+    """Remove the local directory ``path`` if it is empty (a directory named like a checkpoint, holding none, would
+    trip a resume); anything else, and any path not local, is left as it is."""
     if is_local_path(path):
         try:
             os.rmdir(local_path(path))

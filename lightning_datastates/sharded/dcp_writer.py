@@ -16,9 +16,10 @@ every rank's file is durable, :mod:`~lightning_datastates.sharded.commit`).
 
 Why split: DCP's planning is two collectives whose cost (pickling every rank's plan, waiting for the slowest rank)
 the training thread would otherwise pay at every save, as in DCP's own ``async_save``, which plans in the background
-too. The price: an item DCP deduplicates (a replicated tensor, a pickled object every rank holds) is copied and
-written by every rank that holds it, as the staging happens before the coordinator chose one; the metadata refers
-to one copy, and the commit removes a file none of whose items was chosen.
+too. The price: the staging happens before the coordinator chooses which rank writes an item several ranks hold. For
+a replicated DTensor the staging chooses alone (:func:`~lightning_datastates.sharded.staging.local_plan`); a plain
+tensor or pickled object every rank holds is copied and written by each of them, the metadata refers to one copy,
+and the commit removes a file none of whose items was chosen.
 """
 
 from __future__ import annotations

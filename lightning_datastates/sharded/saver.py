@@ -21,7 +21,7 @@ import torch
 from lightning_datastates.capture.layout import VerifiedStructures
 from lightning_datastates.errors import CheckpointCaptureError
 from lightning_datastates.interrupts import sigint_deferred
-from lightning_datastates.sharded.commit import ShardedCommitter, ShardedSave
+from lightning_datastates.sharded.commit import ShardedCommitter, ShardedSave, remove_empty_local_directory
 from lightning_datastates.sharded.dcp_writer import join_path
 from lightning_datastates.sharded.layout import ArchivePlans
 from lightning_datastates.sharded.leftovers import mark_pending
@@ -72,30 +72,30 @@ class ShardedSaver:
         Lightning's ``meta.pt`` (rank 0); return once training may go on (outside the training loop: once committed).
 
         ``path`` counts as rank 0 gives it: ``broadcast`` (the strategy's) sends rank 0's value to every rank. It is
-        the only collective here; DCP's planning runs on the committer thread (see the module docstring).
+        the only collective here; DCP's planning runs on the committer thread (see the module docstring). Every rank
+        calls it once per save, whatever fails: a failure before it is sent through it (rank 0), one after it is handed
+        to the committer, so that no rank waits for a save another rank gave up.
 
         Raises:
-            CheckpointFlushError: an earlier background write failed (raised once).
-            CheckpointCaptureError: rank 0 could not mark the directory (on the other ranks; rank 0 raises its own
-                error): nothing was written.
+            CheckpointFlushError: an earlier background write failed (raised once; this save then fails on every rank).
+            CheckpointCaptureError: rank 0 could not start this save (on the other ranks; rank 0 raises its own
+                error, such as the meta that cannot be pickled or the directory that cannot be marked): nothing of it
+                is left on storage.
             LayoutUnsupported: torch refused to plan a tensor's archive (the save fails on every rank; raised here).
         """
         started = time.perf_counter()
         host = self._host
-        host.raise_pending_failure()
         # No wait for an earlier save of this directory (last.ckpt at every step): each save writes files of its own,
         # and the committer publishes the saves in order, each removing the files of the one it replaces.
-        path, marker = self._announce(path, broadcast)
-        writer = host.writer_for(path)
-        directory = os.path.dirname(path.rstrip("/")) or "."
-        if self.rank == 0 and directory not in self._cleaned:
-            self._cleaned.add(directory)
-            host.clean_stale(directory)
-        meta_bytes = _serialized(meta) if self.rank == 0 else None  # the non-tensor state as it is now
-        lazy, awaits_commit = host.lazy_for_save()
+        path, marker, meta_bytes = self._announce(path, meta, broadcast)
         stats: SnapshotStats | None = None
         with sigint_deferred():  # Ctrl+C must not split a capture (see interrupts.py)
             try:
+                host.raise_pending_failure()
+                if self.rank != 0 and is_local_path(path):
+                    _prepare_local_directory(local_path(path))
+                writer = host.writer_for(path)
+                lazy, awaits_commit = host.lazy_for_save()
                 staged, shard = stage_shard(state, self.rank, self._plans, self._local_plans)
                 if shard is not None:
                     file_path = join_path(path, staged.file_name)
@@ -106,7 +106,8 @@ class ShardedSaver:
                     )
             except BaseException as exc:
                 # The other ranks plan this save on their committer threads: this rank's committer joins them with
-                # the failure, so that the save fails everywhere instead of leaving them waiting.
+                # the failure, so that the save fails everywhere instead of leaving them waiting (and rank 0's
+                # committer removes the marker).
                 self.committer.submit(ShardedSave(path, None, failed_staging(self.rank, exc), meta_bytes, marker))
                 raise
         if stats is not None:
@@ -120,31 +121,40 @@ class ShardedSaver:
                 host.engine.wait_copies(attribute=False)
             host.raise_pending_failure(path)
 
-    def _announce(self, path: str, broadcast: Callable[[Any], Any]) -> tuple[str, str | None]:
-        """Every rank: the directory rank 0 names, prepared, and (rank 0) the in-flight marker written in it.
+    def _announce(
+        self, path: str, meta: dict[str, Any], broadcast: Callable[[Any], Any]
+    ) -> tuple[str, str | None, bytes | None]:
+        """Every rank: the directory rank 0 names; rank 0 also: its in-flight marker there and ``meta.pt``'s bytes.
 
-        Rank 0 writes its marker *before* the path reaches the other ranks, so that nothing of this save lands in the
-        directory unmarked: whatever a save that dies leaves there is found by the next run's cleanup
-        (:mod:`~lightning_datastates.sharded.leftovers`). A rank 0 that cannot mark sends its error instead of a
-        go-ahead, so that every rank fails this save at once rather than wait for it in DCP's planning.
+        Rank 0 does what only it does and may fail at *before* the path reaches the other ranks: ``meta`` pickled,
+        the first cleanup of the parent directory (before the marker, so that a dead run's marker in this very
+        directory is gone first), the directory made and marked. So nothing of this save lands in the directory
+        unmarked, and whatever a save that dies leaves there is found by the next run's cleanup
+        (:mod:`~lightning_datastates.sharded.leftovers`). A rank 0 that fails sends its error instead of a go-ahead
+        and removes the directory it made: every rank fails this save at once, and nothing of it is left.
         """
         marker: str | None = None
+        meta_bytes: bytes | None = None
         failure: BaseException | None = None
         if self.rank == 0:
             try:
+                meta_bytes = _serialized(meta)  # the non-tensor state as it is now
+                directory = os.path.dirname(path.rstrip("/")) or "."
+                if directory not in self._cleaned:
+                    self._cleaned.add(directory)
+                    self._host.clean_stale(directory)
                 if is_local_path(path):
                     _prepare_local_directory(local_path(path))
                 marker = mark_pending(self._host.writer_for(path), path)
-            except Exception as exc:  # noqa: BLE001 - sent to every rank, raised below
+            except BaseException as exc:  # noqa: BLE001 - sent to every rank (Ctrl+C too), raised below
                 failure = exc
+                remove_empty_local_directory(path)  # a directory named like a checkpoint would trip a resume
         path, error = broadcast((path, None if failure is None else repr(failure)))
         if failure is not None:
             raise failure
         if error is not None:
             raise CheckpointCaptureError(f"rank 0 could not start sharded checkpoint {path}: {error}")
-        if self.rank != 0 and is_local_path(path):
-            _prepare_local_directory(local_path(path))
-        return path, marker
+        return path, marker, meta_bytes
 
 
 def _prepare_local_directory(path: str) -> None:

@@ -16,6 +16,7 @@ Not thread-safe: the training thread of one rank only.
 from __future__ import annotations
 
 import io
+import math
 import uuid
 from collections.abc import Sequence
 from dataclasses import replace
@@ -82,38 +83,80 @@ def stage_shard(
 
 
 def local_plan(planner: DefaultSavePlanner) -> SavePlan:
-    """DCP's local plan (the planner is set up), without the DTensor items another rank writes.
+    """DCP's local plan (the planner is set up), each replicated DTensor item kept by one of the ranks holding it.
 
-    Of the ranks that hold the same local shard of a DTensor (they differ only in their coordinates on the mesh
-    dimensions it is replicated over: HSDP's replica groups, tensor parallelism's replicated biases), the one at
-    coordinate 0 on each of those dimensions writes it. DCP plans such an item on every holder and its coordinator
-    keeps one, but our files are planned and written before that choice, so every holder would copy and write it;
-    the rule needs no exchange and picks exactly one holder. DCP's planning then finds each of these items once.
-    Plain tensors and pickled objects stay on every rank: a rank cannot tell alone which others hold them.
+    The ranks that hold the same local shard of a DTensor differ only in their coordinates on the mesh dimensions it
+    is replicated over (HSDP's replica groups, tensor parallelism's replicated norms and biases). DCP plans such an
+    item on each of them and its coordinator keeps one; our files are planned and written before that choice, so
+    each would copy and write it. Instead every holder makes the same choice alone, with no exchange: the items of
+    each mesh and placements are dealt to its replicas by size (:func:`deal_by_size`), so that replica groups share
+    the writing as DCP's own choice would have them. DCP's planning then finds each of these items once.
+    Replicas on meshes of their own (a DTensor on a submesh, replicated by a parallelism outside it), plain tensors
+    and pickled objects stay on every rank that holds them: a rank cannot tell alone which others do.
     """
     from torch.distributed.tensor import DTensor
 
     plan = planner.create_local_plan()
-    writes_here: dict[tuple[Any, ...], bool] = {}  # by (mesh, placements): a state has a handful of them
-    items = []
-    for item in plan.items:
+    groups: dict[tuple[Any, ...], list[int]] = {}  # item positions by (mesh, placements): a handful of groups
+    for position, item in enumerate(plan.items):
         obj = planner.state_dict.get(item.index.fqn)
         if isinstance(obj, DTensor):
-            key = (obj.device_mesh, obj.placements)
-            if key not in writes_here:
-                writes_here[key] = _first_replica(obj.device_mesh.get_coordinate(), obj.placements)
-            if not writes_here[key]:
-                continue
-        items.append(item)
-    return plan if len(items) == len(plan.items) else replace(plan, items=items)
+            groups.setdefault((obj.device_mesh, obj.placements), []).append(position)
+    dropped: set[int] = set()
+    for (mesh, placements), positions in groups.items():
+        replica = replica_position(mesh.get_coordinate(), [mesh.size(d) for d in range(mesh.ndim)], placements)
+        if replica is None:  # not on the mesh: DCP plans nothing for it either
+            dropped.update(positions)
+            continue
+        index, count = replica
+        if count > 1:
+            items = [plan.items[p] for p in positions]
+            writers = deal_by_size([(_item_order(item), _chunk_bytes(item)) for item in items], count)
+            dropped.update(p for p, writer in zip(positions, writers, strict=True) if writer != index)
+    if not dropped:
+        return plan
+    return replace(plan, items=[item for p, item in enumerate(plan.items) if p not in dropped])
 
 
-def _first_replica(coordinate: Sequence[int] | None, placements: Any) -> bool:
-    """Whether a rank at ``coordinate`` of a mesh is, among those holding the same local shard of a DTensor placed
-    by ``placements``, the one at coordinate 0 of every dimension the tensor is replicated over (pure)."""
-    if coordinate is None:  # not on the mesh: DCP plans nothing for it either
-        return False
-    return all(index == 0 for index, placement in zip(coordinate, placements, strict=True) if placement.is_replicate())
+def replica_position(
+    coordinate: Sequence[int] | None, mesh_shape: Sequence[int], placements: Sequence[Any]
+) -> tuple[int, int] | None:
+    """Among the ranks of a mesh holding the same local shard of a DTensor placed by ``placements``, the position of
+    the rank at ``coordinate`` and how many they are: its coordinates and the mesh's sizes on the dimensions the
+    tensor is replicated over, read as one number in mixed radix (pure). None when the rank is not on the mesh."""
+    if coordinate is None:
+        return None
+    index, count = 0, 1
+    for dimension, placement in enumerate(placements):
+        if placement.is_replicate():
+            index = index * mesh_shape[dimension] + coordinate[dimension]
+            count *= mesh_shape[dimension]
+    return index, count
+
+
+def deal_by_size(items: Sequence[tuple[Any, int]], count: int) -> list[int]:
+    """The replica (0 to ``count - 1``) that writes each of ``items``, ``(order key, bytes)`` in any order: largest
+    first (ties by key), each to the replica with the fewest bytes so far (ties to the lowest). Pure, and the same on
+    every rank given the same items, which the replicas of one shard hold."""
+    loads = [0] * count
+    writers = [0] * len(items)
+    for position in sorted(range(len(items)), key=lambda p: (-items[p][1], items[p][0])):
+        writer = min(range(count), key=lambda r: (loads[r], r))
+        writers[position] = writer
+        loads[writer] += max(items[position][1], 1)
+    return writers
+
+
+def _item_order(item: WriteItem) -> tuple[str, tuple[int, ...]]:
+    return item.index.fqn, tuple(item.index.offset or ())
+
+
+def _chunk_bytes(item: WriteItem) -> int:
+    """The bytes of a tensor item's chunk (what DCP's own deduplication weighs)."""
+    data = item.tensor_data
+    if data is None:
+        return 0
+    return math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
 
 
 def failed_staging(rank: int, error: BaseException) -> StagedShard:
