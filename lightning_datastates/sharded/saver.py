@@ -126,7 +126,7 @@ class ShardedSaver:
     ) -> tuple[str, str | None, bytes | None]:
         """Every rank: the directory rank 0 names; rank 0 also: its in-flight marker there and ``meta.pt``'s bytes.
 
-        Rank 0 does what only it does and may fail at *before* the path reaches the other ranks: ``meta`` pickled,
+        Whatever only rank 0 does and may fail happens *before* the path reaches the other ranks: ``meta`` pickled,
         the first cleanup of the parent directory (before the marker, so that a dead run's marker in this very
         directory is gone first), the directory made and marked. So nothing of this save lands in the directory
         unmarked, and whatever a save that dies leaves there is found by the next run's cleanup
