@@ -1,12 +1,14 @@
-"""A tensor-parallel CPU (gloo) run with DataStatesIO, launched by tests/test_sharded.py.
+"""A CPU (gloo) run of 4 ranks with tensor parallelism and FSDP2 on one 2-D mesh, launched by tests/test_sharded.py.
 
 ``python tests/tensor_parallel_script.py OUT [--sync]``
 
-Lightning relaunches this script for rank 1. ``ModelParallelStrategy`` with a tensor-parallel mesh of 2 ranks: the
-first linear layer is split by columns, the second by rows (its bias replicated), and the norm and the head are
-replicated DTensors on both ranks. ``ModelCheckpoint`` saves every step, all kept, into ``OUT/ckpt``: through the
-plugin, or with ``--sync`` through Lightning's own synchronous sharded save. Each rank writes the keys of the items
-it staged for each save (its file's content) to ``OUT/staged<rank>.json``.
+Lightning relaunches this script for ranks 1-3. ``ModelParallelStrategy`` with a mesh of 2 data-parallel by 2
+tensor-parallel ranks (rank = 2 * data-parallel coordinate + tensor-parallel coordinate): the first linear layer is
+split by columns, the second by rows (its bias replicated), the norm and the head are replicated over the
+tensor-parallel dimension; then FSDP2 shards everything over the data-parallel dimension. So every replicated tensor's
+local shard is held by the two ranks of one data-parallel coordinate. ``ModelCheckpoint`` saves every step, all kept,
+into ``OUT/ckpt``: through the plugin, or with ``--sync`` through Lightning's own synchronous sharded save. Each rank
+writes the keys of the items it staged for each save (its file's content) to ``OUT/staged<rank>.json``.
 """
 
 from __future__ import annotations
@@ -27,12 +29,13 @@ import lightning_datastates.sharded.saver as saver_module
 from lightning_datastates import DataStatesIO
 
 WIDTH = 32
+WORLD = 4
 #: The layers whose parameters both ranks hold whole (replicated DTensors).
 REPLICATED = ("layers.3.weight", "layers.3.bias", "layers.4.weight", "layers.4.bias", "layers.2.bias")
 
 
 class TensorParallelMLP(L.LightningModule):
-    """Column- then row-parallel linear layers, then a replicated norm and head."""
+    """Column- then row-parallel linear layers, then a replicated norm and head; all sharded by FSDP2."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -54,6 +57,9 @@ class TensorParallelMLP(L.LightningModule):
         parallelize_module(self.layers, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel(use_local_output=False)})
         for index in (3, 4):
             distribute_module(self.layers[index], mesh)  # every parameter replicated
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(self.layers, mesh=self.device_mesh["data_parallel"])  # 2-D DTensors: (Shard(0), tensor parallel)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -91,8 +97,8 @@ def main() -> None:
     trainer = L.Trainer(
         default_root_dir=args.out,
         accelerator="cpu",
-        devices=2,
-        strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2),
+        devices=WORLD,
+        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2),
         plugins=[] if args.sync else [DataStatesIO()],
         callbacks=[ModelCheckpoint(dirpath=os.path.join(args.out, "ckpt"), every_n_train_steps=1, save_top_k=-1)],
         max_epochs=1,
