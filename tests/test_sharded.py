@@ -27,7 +27,7 @@ from tests.s3_server import (  # noqa: F401 - the *_fixture imports register the
 )
 from tests.script_support import launch, run_to_completion
 from tests.sharded_script import TIED
-from tests.tensor_parallel_script import REPLICATED
+from tests.tensor_parallel_script import HSDP_REPLICATED, REPLICATED
 
 #: A sharded run starts slowly on a loaded 2-core machine; this only bounds a hang.
 _RUN_TIMEOUT_S = 600
@@ -163,30 +163,36 @@ def test_names_and_content_match_lightning_synchronous_sharded_save(tmp_path, tw
 
 
 @pytest.mark.slow
-def test_tensor_parallel_with_fsdp2_matches_lightnings_own_save_and_writes_each_replica_once(tmp_path):
-    """Tensor parallelism and FSDP2 on one 2x2 mesh (4 ranks): column- and row-split weights, replicated biases, norm
-    and head, all sharded over the data-parallel dimension. Every checkpoint reads back as Lightning's synchronous save
-    of the same run does; of the two ranks holding a replicated tensor's shard, exactly one put it in its file, and
-    both got some (the items each rank staged, recorded by the script)."""
+@pytest.mark.parametrize(
+    ("layout", "replicated", "holders"),
+    [
+        ("tp-fsdp2", REPLICATED, ((0, 1), (2, 3))),  # replicated over the tensor-parallel dimension
+        ("hsdp", HSDP_REPLICATED, ((0, 2), (1, 3))),  # replica groups along the first dimension
+    ],
+)
+def test_2d_meshes_match_lightnings_own_save_and_write_each_replica_once(tmp_path, layout, replicated, holders):
+    """Four ranks on a 2x2 mesh: tensor parallelism with FSDP2 (column- and row-split weights, replicated biases, norm
+    and head, all sharded over data parallel), or HSDP. Every checkpoint reads back as Lightning's synchronous save of
+    the same run does; of the two ranks holding a replicated shard, exactly one put it in its file, and both got
+    some (the items each rank staged, recorded by the script)."""
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
-    for out, extra in ((ours, ()), (theirs, ("--sync",))):
-        run_to_completion(
-            "tensor_parallel_script.py", str(out), *extra, timeout_s=_RUN_TIMEOUT_S, what="tensor parallel"
-        )
+    extra = ("--hsdp",) if layout == "hsdp" else ()
+    for out, sync in ((ours, ()), (theirs, ("--sync",))):
+        run_to_completion("tensor_parallel_script.py", str(out), *extra, *sync, timeout_s=_RUN_TIMEOUT_S, what=layout)
     names = sorted(os.listdir(ours / "ckpt"))
     assert names == sorted(os.listdir(theirs / "ckpt")) and len(names) == 2
     for name in names:
         loaded = [_read_all_with_dcp(out / "ckpt" / name, out) for out in (ours, theirs)]
         assert_bit_equal(loaded[0], loaded[1], name)
-    replicas = {f"{prefix}{key}{suffix}" for key in REPLICATED for prefix, suffix in _STATE_KEYS}
+    replicas = {f"{prefix}{key}{suffix}" for key in replicated for prefix, suffix in _STATE_KEYS}
     staged = [[set(items) for items in json.loads((ours / f"staged{rank}.json").read_text())] for rank in range(4)]
     assert [len(saves) for saves in staged] == [2] * 4
     for save in range(2):
-        for first, second in ((0, 1), (2, 3)):  # the tensor-parallel pair of each data-parallel coordinate
+        for first, second in holders:  # the two ranks holding the same shards
             one, other = staged[first][save] & replicas, staged[second][save] & replicas
             assert one and other and not one & other and one | other == replicas, (save, first, one, other)
         rest = [staged[rank][save] - replicas for rank in range(4)]
-        assert all(items == rest[0] for items in rest)  # split and sharded weights, plain items: on every rank
+        assert all(items == rest[0] for items in rest)  # split weights, plain items: on every rank
 
 
 #: Where a parameter's values are in a checkpoint: its weights, and its two AdamW moments.
