@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import lightning as L
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -142,14 +143,29 @@ class _Metadata:
         self.storage_data = storage_data
 
 
-def _world_of_this_process(monkeypatch) -> None:
-    """A process group of this process alone for a Trainer's ModelParallelStrategy, and a seeded model."""
+def _one_process_fit(
+    tmp_path,
+    monkeypatch,
+    plugin: DataStatesIO,
+    checkpoint: ModelCheckpoint,
+    strategy: ModelParallelStrategy | None = None,
+) -> L.Trainer:
+    """A ModelParallel fit of this process alone (a process group of its own, 4 steps of a seeded model), saving
+    through ``plugin`` as ``checkpoint`` says; the trainer, its process group destroyed."""
     for name in ("LOCAL_RANK", "NODE_RANK"):  # Lightning sets them in this process: restored after the test
         monkeypatch.setenv(name, "0")  # records the value before (or its absence) for the undo
         monkeypatch.delenv(name)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     torch.manual_seed(0)
+    strategy = ModelParallelStrategy() if strategy is None else strategy
+    trainer = make_trainer(str(tmp_path), plugin, callbacks=[checkpoint], strategy=strategy, devices=1, max_epochs=1)
+    try:
+        trainer.fit(_ParallelBNModel(width=32), make_loader(n=32))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return trainer
 
 
 class _ParallelBNModel(BNModel):
@@ -161,46 +177,21 @@ def test_sharded_fit_on_s3_commits_each_checkpoint_after_its_files(tmp_path, s3,
     """One process (ModelParallel on CPU), checkpoints in a moto bucket, read back with DCP's fsspec reader."""
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-    _world_of_this_process(monkeypatch)
     checkpoint = ModelCheckpoint(dirpath=s3.url("run"), every_n_train_steps=1, save_top_k=2, monitor="step", mode="max")
-    trainer = make_trainer(
-        str(tmp_path),
-        DataStatesIO(storage_options=s3.storage_options),
-        callbacks=[checkpoint],
-        strategy=ModelParallelStrategy(),
-        devices=1,
-        max_epochs=1,
-    )
-    try:
-        trainer.fit(_ParallelBNModel(width=32), make_loader(n=32))
-        keys = s3.keys("run/")
-        directories = sorted({key.split("/")[1] for key in keys})
-        assert directories == ["epoch=0-step=3.ckpt", "epoch=0-step=4.ckpt"]
-        for directory in directories:
-            names = sorted(key.split("/")[2] for key in keys if key.split("/")[1] == directory)
-            assert names[:2] == [DCP_METADATA_NAME, "__0_" + names[1][4:]] and names[-1] == LIGHTNING_META_NAME
-        final = s3.url("run/epoch=0-step=4.ckpt")
-        state = {k: torch.zeros_like(v) for k, v in trainer.lightning_module.state_dict().items()}
-        reader = FsspecReader(final, **s3.storage_options)
-        dcp.load({"state_dict": state}, storage_reader=reader, no_dist=True)
-        assert_bit_equal(state, trainer.lightning_module.state_dict(), "model after fit")
-        meta = torch.load(io.BytesIO(s3.read("run/epoch=0-step=4.ckpt/meta.pt")), weights_only=False)
-        assert meta["global_step"] == 4
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-
-
-def _one_process_fit(tmp_path, monkeypatch, plugin: DataStatesIO, strategy: ModelParallelStrategy, **kwargs) -> None:
-    """A ModelParallel fit of this process alone (4 steps, a checkpoint at each, all kept, and ``last.ckpt``)."""
-    _world_of_this_process(monkeypatch)
-    checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=1, save_top_k=-1, save_last=True)
-    trainer = make_trainer(str(tmp_path), plugin, callbacks=[checkpoint], strategy=strategy, devices=1, max_epochs=1)
-    try:
-        trainer.fit(_ParallelBNModel(width=32), make_loader(n=32))
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    trainer = _one_process_fit(tmp_path, monkeypatch, DataStatesIO(storage_options=s3.storage_options), checkpoint)
+    keys = s3.keys("run/")
+    directories = sorted({key.split("/")[1] for key in keys})
+    assert directories == ["epoch=0-step=3.ckpt", "epoch=0-step=4.ckpt"]
+    for directory in directories:
+        names = sorted(key.split("/")[2] for key in keys if key.split("/")[1] == directory)
+        assert names[:2] == [DCP_METADATA_NAME, "__0_" + names[1][4:]] and names[-1] == LIGHTNING_META_NAME
+    final = s3.url("run/epoch=0-step=4.ckpt")
+    state = {k: torch.zeros_like(v) for k, v in trainer.lightning_module.state_dict().items()}
+    reader = FsspecReader(final, **s3.storage_options)
+    dcp.load({"state_dict": state}, storage_reader=reader, no_dist=True)
+    assert_bit_equal(state, trainer.lightning_module.state_dict(), "model after fit")
+    meta = torch.load(io.BytesIO(s3.read("run/epoch=0-step=4.ckpt/meta.pt")), weights_only=False)
+    assert meta["global_step"] == 4
 
 
 def test_no_rank_learns_the_directory_before_rank_0_has_marked_it(tmp_path, monkeypatch):
@@ -219,7 +210,8 @@ def test_no_rank_learns_the_directory_before_rank_0_has_marked_it(tmp_path, monk
         return broadcast(obj, src)
 
     strategy.broadcast = recording_broadcast  # type: ignore[method-assign]
-    _one_process_fit(tmp_path, monkeypatch, DataStatesIO(), strategy)
+    checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=1, save_top_k=-1, save_last=True)
+    _one_process_fit(tmp_path, monkeypatch, DataStatesIO(), checkpoint, strategy)
     assert sorted(os.path.basename(p) for p in listings) == sorted(os.listdir(tmp_path / "ckpt"))
     assert len(listings[str(tmp_path / "ckpt" / "last.ckpt")]) == 4  # saved at every step
     for path, seen in listings.items():
@@ -306,18 +298,10 @@ def test_an_earlier_failure_raised_at_a_save_fails_that_save_on_every_rank(tmp_p
 def test_shard_files_give_their_arena_blocks_back_once_written(tmp_path, monkeypatch):
     """DCP's reader reads shard files from storage: keeping their blocks to serve loads (``serve_from_memory``, on by
     default) would only hold a second checkpoint's worth of arena pages."""
-    _world_of_this_process(monkeypatch)
     plugin = DataStatesIO(eager_copy_size="1KiB")
     assert plugin.config.serve_from_memory
     checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=1, save_top_k=-1)
-    trainer = make_trainer(
-        str(tmp_path), plugin, callbacks=[checkpoint], strategy=ModelParallelStrategy(), devices=1, max_epochs=1
-    )
-    try:
-        trainer.fit(_ParallelBNModel(width=32), make_loader(n=32))
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    _one_process_fit(tmp_path, monkeypatch, plugin, checkpoint)
     engine = plugin.engine
     assert len(os.listdir(tmp_path / "ckpt")) == 4 and engine.arena is not None and engine.resident is not None
     assert engine.arena.peak_used_bytes > 0  # the shards went through the arena ...
