@@ -18,7 +18,9 @@ which these slowed copies make long, and hide a missing barrier). ``LDS_BROKEN=b
 returns at once and each lazy copy waits until the optimizer has stepped after its save (the race a missing barrier
 loses on a real model, lost here whatever the machine's load): the contract test must fail. Copies are slowed (20 ms
 per lazily copied piece) so that they outlast a step, as on a real model. Each rank writes the names of the threads
-DCP's planning collectives ran on to ``OUT/planning<r>.json``.
+DCP's planning collectives ran on to ``OUT/planning<r>.json``. ``--fsdp1``: Lightning's
+``FSDPStrategy(state_dict_type="sharded")`` instead (FSDP1, whose sharded state dicts hold ``ShardedTensor``s), see
+:class:`CpuFSDPStrategy`.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -52,17 +54,26 @@ TIED = (0, 2)
 
 
 class ShardedMLP(L.LightningModule):
-    """Three linear layers sharded over the data-parallel ranks (FSDP2), the first and second with one weight."""
+    """Three linear layers sharded over the data-parallel ranks (FSDP2, or FSDP1 with ``fsdp1``), the first and second
+    with one weight."""
 
-    def __init__(self) -> None:
+    def __init__(self, fsdp1: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
+        self.fsdp1 = fsdp1
         self.layers = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 1))
         self.layers[TIED[1]].weight = self.layers[TIED[0]].weight
 
     def configure_model(self) -> None:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 
+        if self.fsdp1:
+            # Wrapped here, so FSDPStrategy keeps the wrapping: FSDP1 needs the CPU named as its device on a machine
+            # without an accelerator, and the strategy would pass none.
+            cpu = torch.device("cpu")
+            self.layers[3] = FullyShardedDataParallel(self.layers[3], device_id=cpu, use_orig_params=True)
+            self.layers = FullyShardedDataParallel(self.layers, device_id=cpu, use_orig_params=True)
+            return
         mesh = self.device_mesh["data_parallel"]
         fully_shard(self.layers[3], mesh=mesh)
         fully_shard(self.layers, mesh=mesh)  # the tied layers' parameters: one FSDP group holds the shared weight
@@ -75,6 +86,12 @@ class ShardedMLP(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
+class CpuFSDPStrategy(FSDPStrategy):
+    """Lightning's ``FSDPStrategy``, unchanged. Lightning refuses a CPU accelerator for FSDP only when the strategy's
+    type is exactly ``FSDPStrategy``; FSDP1 itself trains on CPU over gloo, so this subclass lets the sharded FSDP path
+    (save, load, ``ModelCheckpoint``) run on a CPU machine. The model wraps itself (``ShardedMLP(fsdp1=True)``)."""
+
+
 def loader() -> DataLoader:
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(64, WIDTH, generator=generator)
@@ -83,12 +100,23 @@ def loader() -> DataLoader:
 
 def local_state(checkpoint: dict) -> dict[str, torch.Tensor]:
     """This rank's local shards of the model and optimizer state in ``checkpoint``, copied now."""
-    state = {f"state_dict.{k}": local_shard(v).clone() for k, v in checkpoint["state_dict"].items()}
+    state = {f"state_dict.{k}": _local(v) for k, v in checkpoint["state_dict"].items()}
     for fqn, values in checkpoint["optimizer_states"][0]["state"].items():
         for key, value in values.items():
             if isinstance(value, torch.Tensor):
-                state[f"optimizer_0.state.{fqn}.{key}"] = local_shard(value).clone()
+                state[f"optimizer_0.state.{fqn}.{key}"] = _local(value)
     return state
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of this rank's part of ``tensor``: a DTensor's local shard, a ``ShardedTensor``'s local shards (FSDP1;
+    none where the tensor has fewer rows than there are ranks)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    if isinstance(tensor, ShardedTensor):
+        shards = [shard.tensor for shard in tensor.local_shards()]
+        return torch.cat(shards) if shards else torch.empty(0, *tensor.shape[1:], dtype=tensor.dtype)
+    return local_shard(tensor).clone()
 
 
 class Recorder(Callback):
@@ -250,6 +278,7 @@ def main() -> None:
     parser.add_argument("--fail-staging-rank", type=int)
     parser.add_argument("--no-last", action="store_true", help="no last.ckpt: one save per step")
     parser.add_argument("--sync", action="store_true", help="Lightning's own synchronous sharded save (no plugin)")
+    parser.add_argument("--fsdp1", action="store_true", help="FSDPStrategy(state_dict_type='sharded'): FSDP1")
     args = parser.parse_args()
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.set_num_threads(1)
@@ -278,7 +307,11 @@ def main() -> None:
         default_root_dir=args.out,
         accelerator="cpu",
         devices=args.world,
-        strategy=ModelParallelStrategy(data_parallel_size=args.world, tensor_parallel_size=1),
+        strategy=(
+            CpuFSDPStrategy(state_dict_type="sharded")
+            if args.fsdp1
+            else ModelParallelStrategy(data_parallel_size=args.world, tensor_parallel_size=1)
+        ),
         plugins=[] if args.sync else [plugin],
         callbacks=[checkpoint, recorder, *([gate] if gate is not None else [])],
         max_epochs=args.epochs,
@@ -289,7 +322,7 @@ def main() -> None:
     ckpt_path = os.path.join(args.out, "ckpt", args.resume) if args.resume else None
     failure = None
     try:
-        trainer.fit(ShardedMLP(), loader(), ckpt_path=ckpt_path)
+        trainer.fit(ShardedMLP(fsdp1=args.fsdp1), loader(), ckpt_path=ckpt_path)
     except Exception as exc:  # noqa: BLE001 - reported to the test
         failure = exc
     for step, state in recorder.saved.items():

@@ -4,8 +4,9 @@
 ``torch.distributed.checkpoint`` themselves and never call their ``CheckpointIO``. At setup the callback hands such a
 strategy to :func:`install`, which replaces, on that strategy object only, the methods Lightning calls:
 
-- ``save_checkpoint``: the same split as Lightning's (``state_dict`` and ``optimizer_<i>`` through DCP, the rest as
-  ``meta.pt`` on rank 0), through :class:`~lightning_datastates.sharded.saver.ShardedSaver`;
+- ``save_checkpoint``: the same split as Lightning's (the model's state dict and ``optimizer_<i>`` through DCP, under
+  the keys the strategy's own load reads, see :func:`model_key`; the rest as ``meta.pt`` on rank 0), through
+  :class:`~lightning_datastates.sharded.saver.ShardedSaver`;
 - ``load_checkpoint``: waits for pending commits of this rank first, then Lightning's own load (DCP's reader);
 - ``lightning_module_state_dict`` and ``optimizer_state`` of ``ModelParallelStrategy``: the same state dicts without
   ``cpu_offload``, whose copy to host memory would run synchronously on the training thread on a GPU; the engine
@@ -37,6 +38,13 @@ def saves_with_dcp(strategy: Any) -> bool:
     return isinstance(strategy, ModelParallelStrategy) and saves_distributed_checkpoint(strategy)
 
 
+def model_key(strategy: Any) -> str:
+    """The key under which ``strategy``'s own sharded save puts the model's state dict in the DCP checkpoint, and
+    its load looks for it: ``"model"`` for ``FSDPStrategy``, ``"state_dict"`` for ``ModelParallelStrategy``
+    (lightning 2.5 and 2.6). A checkpoint under the other key would not load with the strategy that saved it."""
+    return "model" if isinstance(strategy, FSDPStrategy) else "state_dict"
+
+
 def install(strategy: Any, saver: ShardedSaver, drain: Any) -> None:
     """Route ``strategy``'s sharded saves through ``saver``; ``drain()`` waits for every pending commit."""
     original_load = strategy.load_checkpoint
@@ -49,7 +57,7 @@ def install(strategy: Any, saver: ShardedSaver, drain: Any) -> None:
             )
         # Every rank saves into rank 0's directory: the saver broadcasts it once rank 0 has marked it.
         path = checkpoint_path_str(filepath)
-        state = {"state_dict": checkpoint.pop("state_dict")}
+        state = {model_key(strategy): checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         saver.save(state, checkpoint, path, strategy.broadcast)
 
