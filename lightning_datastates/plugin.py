@@ -360,7 +360,7 @@ class DataStatesIO(CheckpointIO):
 
         group = dist.new_group(backend="gloo", timeout=DEFAULT_EXCHANGE_TIMEOUT)
         self._sharded = ShardedSaver(self, dist.get_rank(), group, self.config.storage_alignment)
-        install(strategy, self._sharded, self.drain)
+        install(strategy, self._sharded, self.drain, self.writer_for, self.config.storage_options)
 
     def disable_sharded(self, strategy: Any) -> None:
         """Undo :meth:`enable_sharded` once every pending sharded checkpoint is committed."""

@@ -8,17 +8,17 @@ ranks (two of them tied: one weight under two keys); ``ModelCheckpoint`` saves e
 optimizer state; after fit it writes them to ``OUT/ref/step<k>/rank<r>.pt`` (only saves whose call returned are
 recorded), and its final local shards to ``OUT/final/rank<r>.pt``.
 
-Options: ``--resume NAME`` fits from ``OUT/ckpt/NAME`` (Lightning's sharded load); ``--fail-rank R``: rank R's shard
-writes fail from its 3rd checkpoint on; ``--hold-rank R``: rank R's writes of its 3rd checkpoint block forever after
-announcing ``OUT/held`` (a test then SIGKILLs the run); ``--sync``: Lightning's own synchronous save instead of the
-plugin; ``--ckpt-dir D``: save into D (``s3://...`` with ``--storage-options JSON``); ``--on-flush-error warn``;
-``--fail-staging-rank R``: rank R's 3rd sharded save fails while staging, on its training thread; ``--no-last``: no
-``last.ckpt``, so one save per step (a second save of a step would wait for the first's copies,
-which these slowed copies make long, and hide a missing barrier). ``LDS_BROKEN=barrier``: the plugin's barrier
-returns at once and each lazy copy waits until the optimizer has stepped after its save (the race a missing barrier
-loses on a real model, lost here whatever the machine's load): the contract test must fail. Copies are slowed (20 ms
-per lazily copied piece) so that they outlast a step, as on a real model. Each rank writes the names of the threads
-DCP's planning collectives ran on to ``OUT/planning<r>.json``. ``--fsdp1``: Lightning's
+Options: ``--resume NAME`` fits from ``NAME`` in the checkpoint directory (Lightning's sharded load); ``--fail-rank
+R``: rank R's shard writes fail from its 3rd checkpoint on; ``--hold-rank R``: rank R's writes of its 3rd checkpoint
+block forever after announcing ``OUT/held`` (a test then SIGKILLs the run); ``--sync``: Lightning's own synchronous
+save instead of the plugin; ``--ckpt-dir D``: save into D (``s3://...`` with ``--storage-options JSON``);
+``--on-flush-error warn``; ``--fail-staging-rank R``: rank R's 3rd sharded save fails while staging, on its training
+thread; ``--no-last``: no ``last.ckpt``, so one save per step (a second save of a step would wait for the first's
+copies, which these slowed copies make long, and hide a missing barrier). ``LDS_BROKEN=barrier``: the plugin's
+barrier returns at once and each lazy copy waits until the optimizer has stepped after its save (the race a missing
+barrier loses on a real model, lost here whatever the machine's load): the contract test must fail. Copies are
+slowed (20 ms per lazily copied piece) so that they outlast a step, as on a real model. Each rank writes the names
+of the threads DCP's planning collectives ran on to ``OUT/planning<r>.json``. ``--fsdp1``: Lightning's
 ``FSDPStrategy(state_dict_type="sharded")`` instead (FSDP1, whose sharded state dicts hold ``ShardedTensor``s), see
 :class:`CpuFSDPStrategy`.
 """
@@ -295,8 +295,9 @@ def main() -> None:
     # Weights and optimizer moments (8 KiB shards) are copied lazily; only the biases during the save call.
     plugin = DataStatesIO(storage_options=options, eager_copy_size="1KiB", on_flush_error=args.on_flush_error)
     recorder = Recorder()
+    checkpoint_dir = args.ckpt_dir or os.path.join(args.out, "ckpt")
     checkpoint = ModelCheckpoint(
-        dirpath=args.ckpt_dir or os.path.join(args.out, "ckpt"),
+        dirpath=checkpoint_dir,
         every_n_train_steps=1,
         save_top_k=2,
         monitor="step",
@@ -319,7 +320,7 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    ckpt_path = os.path.join(args.out, "ckpt", args.resume) if args.resume else None
+    ckpt_path = f"{checkpoint_dir.rstrip('/')}/{args.resume}" if args.resume else None  # a URL too
     failure = None
     try:
         trainer.fit(ShardedMLP(fsdp1=args.fsdp1), loader(), ckpt_path=ckpt_path)

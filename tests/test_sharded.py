@@ -162,16 +162,29 @@ def test_names_and_content_match_lightning_synchronous_sharded_save(tmp_path, tw
         assert _step_of(ours / "ckpt" / name) == _step_of(theirs / "ckpt" / name)
 
 
+@pytest.fixture(scope="module")
+def fsdp_synchronous_run(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """Lightning's ``FSDPStrategy(state_dict_type="sharded")`` (FSDP1) on 2 ranks with its own synchronous save."""
+    out = tmp_path_factory.mktemp("fsdp-synchronous-run")
+    _run(out, "--world", "2", "--fsdp1", "--sync")
+    return out
+
+
+def _assert_same_final_state(out: pathlib.Path, uninterrupted: pathlib.Path) -> None:
+    for rank in (0, 1):
+        final = torch.load(out / "final" / f"rank{rank}.pt")
+        assert_bit_equal(final, torch.load(uninterrupted / "final" / f"rank{rank}.pt"), f"rank {rank} after resume")
+
+
 @pytest.mark.slow
-def test_fsdp_strategy_saves_as_lightning_does_and_resumes_bit_for_bit(tmp_path):
+def test_fsdp_strategy_saves_as_lightning_does_and_resumes_bit_for_bit(tmp_path, fsdp_synchronous_run):
     """Lightning's ``FSDPStrategy(state_dict_type="sharded")`` (FSDP1: ``ShardedTensor`` state dicts, the model under
     the key ``"model"``) on 2 CPU ranks. A run through the plugin stops after one epoch and a second run resumes it
     from ``last.ckpt`` with Lightning's own sharded load; the checkpoints it leaves (top-2 and last, the older ones
     removed across the restart) read back exactly as those of one uninterrupted run with Lightning's synchronous save,
     and both runs end with the same weights. FSDP1's state dicts are copies made at the save call, so the barrier has
     nothing to protect here: the ModelParallel tests above prove the snapshot contract."""
-    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
-    _run(theirs, "--world", "2", "--fsdp1", "--sync")
+    ours, theirs = tmp_path / "ours", fsdp_synchronous_run
     _run(ours, "--world", "2", "--fsdp1", "--epochs", "1")
     _run(ours, "--world", "2", "--fsdp1", "--resume", "last.ckpt")
     assert _results(ours, 2) == _results(theirs, 2) == ["ok", "ok"]
@@ -182,9 +195,25 @@ def test_fsdp_strategy_saves_as_lightning_does_and_resumes_bit_for_bit(tmp_path)
         loaded = [_read_all_with_dcp(out / "ckpt" / name, out) for out in (ours, theirs)]
         assert_bit_equal(loaded[0], loaded[1], name)
         assert _step_of(ours / "ckpt" / name) == _step_of(theirs / "ckpt" / name)
-    for rank in (0, 1):
-        final = torch.load(ours / "final" / f"rank{rank}.pt")
-        assert_bit_equal(final, torch.load(theirs / "final" / f"rank{rank}.pt"), f"rank {rank} after resume")
+    _assert_same_final_state(ours, theirs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["model-parallel", "fsdp"])
+def test_resume_from_s3_reproduces_the_uninterrupted_run(tmp_path, s3, strategy, request):
+    """Lightning's sharded load turns ``s3://bucket/...`` into a ``pathlib.Path`` and cannot read it; the plugin loads
+    such a directory itself, with DCP's fsspec reader. A run saving to the moto server stops after one epoch; a second
+    run resumes from ``last.ckpt`` there and ends with the weights of an uninterrupted local run; the bucket then holds
+    the names an uninterrupted run leaves (top-2 and last, the older ones removed across the restart)."""
+    prefix = f"resume-{strategy}-{time.monotonic_ns()}/ckpt"
+    fsdp = ("--fsdp1",) if strategy == "fsdp" else ()
+    storage = ("--ckpt-dir", s3.url(prefix), "--storage-options", json.dumps(s3.storage_options))
+    _run(tmp_path, "--world", "2", *fsdp, *storage, "--epochs", "1")
+    _run(tmp_path, "--world", "2", *fsdp, *storage, "--resume", "last.ckpt")
+    assert _results(tmp_path, 2) == ["ok", "ok"]
+    assert sorted(_s3_directories(s3, prefix)) == _NAMES
+    uninterrupted = request.getfixturevalue("fsdp_synchronous_run" if fsdp else "two_rank_run")
+    _assert_same_final_state(tmp_path, uninterrupted)
 
 
 @pytest.mark.slow
@@ -272,9 +301,7 @@ def test_resume_from_a_sharded_checkpoint_reproduces_the_uninterrupted_run(tmp_p
     uninterrupted, resumed = two_rank_run, tmp_path / "resumed"  # the shared run trains 2 epochs
     _run(resumed, "--world", "2", "--epochs", "1")
     _run(resumed, "--world", "2", "--epochs", "2", "--resume", "last.ckpt")  # Lightning's own sharded load
-    for rank in (0, 1):
-        final = torch.load(resumed / "final" / f"rank{rank}.pt")
-        assert_bit_equal(final, torch.load(uninterrupted / "final" / f"rank{rank}.pt"), f"rank {rank} after resume")
+    _assert_same_final_state(resumed, uninterrupted)
 
 
 @pytest.mark.slow

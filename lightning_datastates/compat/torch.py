@@ -276,3 +276,16 @@ def persistent_buffers(module: torch.nn.Module) -> Iterator[torch.Tensor]:
         for name, buffer in submodule._buffers.items():
             if buffer is not None and name not in submodule._non_persistent_buffers_set:
                 yield buffer
+
+
+def dcp_fsspec_reader(path: str, storage_options: dict[str, Any] | None) -> Any:
+    """DCP's ``StorageReader`` for a checkpoint directory at an fsspec URL (``s3://``, ...), its file system opened
+    with ``storage_options``.
+
+    ``FsspecReader`` lives in the private ``torch.distributed.checkpoint._fsspec_filesystem`` (torch does not export
+    it from the package); its constructor has taken ``(path, **fsspec_options)`` since torch 2.2. Checked against torch
+    2.13.0.
+    """
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    return FsspecReader(path, **(storage_options or {}))

@@ -7,7 +7,9 @@ strategy to :func:`install`, which replaces, on that strategy object only, the m
 - ``save_checkpoint``: the same split as Lightning's (the model's state dict and ``optimizer_<i>`` through DCP, under
   the keys the strategy's own load reads, see :func:`model_key`; the rest as ``meta.pt`` on rank 0), through
   :class:`~lightning_datastates.sharded.saver.ShardedSaver`;
-- ``load_checkpoint``: waits for pending commits of this rank first, then Lightning's own load (DCP's reader);
+- ``load_checkpoint``: waits for pending commits of this rank first, then Lightning's own load (DCP's reader); a
+  sharded checkpoint at a URL (``s3://``), which Lightning's ``pathlib.Path`` would collapse, is loaded the same way
+  through DCP's fsspec reader instead (:mod:`~lightning_datastates.sharded.remote_load`);
 - ``lightning_module_state_dict`` and ``optimizer_state`` of ``ModelParallelStrategy``: the same state dicts without
   ``cpu_offload``, whose copy to host memory would run synchronously on the training thread on a GPU; the engine
   copies the shards lazily instead. (``FSDPStrategy`` keeps its own, with FSDP's offload.)
@@ -17,6 +19,7 @@ strategy to :func:`install`, which replaces, on that strategy object only, the m
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
@@ -26,7 +29,9 @@ from lightning_datastates.compat.lightning import (
     fsdp_state_dict_type,
     saves_distributed_checkpoint,
 )
+from lightning_datastates.sharded.remote_load import holds_sharded_checkpoint, is_url, load_sharded_url
 from lightning_datastates.sharded.saver import ShardedSaver
+from lightning_datastates.storage.base import StorageWriter
 
 _PATCHED = ("save_checkpoint", "load_checkpoint", "lightning_module_state_dict", "optimizer_state")
 
@@ -45,8 +50,15 @@ def model_key(strategy: Any) -> str:
     return "model" if isinstance(strategy, FSDPStrategy) else "state_dict"
 
 
-def install(strategy: Any, saver: ShardedSaver, drain: Any) -> None:
-    """Route ``strategy``'s sharded saves through ``saver``; ``drain()`` waits for every pending commit."""
+def install(
+    strategy: Any,
+    saver: ShardedSaver,
+    drain: Callable[[], None],
+    writer_for: Callable[[str], StorageWriter],
+    storage_options: dict[str, Any] | None,
+) -> None:
+    """Route ``strategy``'s sharded saves through ``saver``, and its loads of URLs through DCP's fsspec reader
+    (``writer_for`` and ``storage_options``: the plugin's); ``drain()`` waits for every pending commit."""
     original_load = strategy.load_checkpoint
 
     def save_checkpoint(checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -63,6 +75,13 @@ def install(strategy: Any, saver: ShardedSaver, drain: Any) -> None:
 
     def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
         drain()  # a checkpoint this run saved is committed before it is read
+        path = checkpoint_path_str(checkpoint_path)
+        if is_url(path):
+            path = strategy.broadcast(path)  # rank 0's, as Lightning's own load: every rank checks the same one
+            writer = writer_for(path)
+            if holds_sharded_checkpoint(writer, path):
+                weights_only = kwargs.get("weights_only", args[0] if args else None)
+                return load_sharded_url(strategy, path, writer, storage_options, weights_only)
         return original_load(checkpoint_path, *args, **kwargs)
 
     # On the instance: Lightning calls these through the strategy object; uninstall() drops them again.

@@ -1,0 +1,114 @@
+"""Lightning's sharded load for checkpoint directories at a URL (``s3://``, other fsspec protocols).
+
+``ModelParallelStrategy.load_checkpoint`` and ``FSDPStrategy.load_checkpoint`` turn the path into a ``pathlib.Path``
+(``s3://bucket/run`` becomes ``s3:/bucket/run``) and read it with DCP's local file reader, so Lightning alone cannot
+resume from a sharded checkpoint the plugin saved to S3. :func:`load_sharded_url` does what the sharded branch of
+those methods does (lightning 2.5 and 2.6), with DCP's fsspec reader opened with the plugin's storage options, and
+reads Lightning's ``meta.pt`` through the plugin's storage writer.
+
+Call order: the training thread of every rank, inside the strategy's ``load_checkpoint`` (the plugin's patch, after
+this rank's pending commits are drained); DCP's load is collective over the training process group, as Lightning's.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import FSDPStrategy
+
+from lightning_datastates.compat.torch import dcp_fsspec_reader
+from lightning_datastates.sharded.commit import LIGHTNING_META_NAME
+from lightning_datastates.sharded.dcp_writer import join_path
+from lightning_datastates.storage.base import StorageWriter
+
+
+def is_url(path: str) -> bool:
+    """Whether ``path`` is a URL (``s3://``, ``file://``, ...), which Lightning's ``pathlib.Path`` would collapse."""
+    return "://" in path
+
+
+def holds_sharded_checkpoint(writer: StorageWriter, path: str) -> bool:
+    """Whether the directory at ``path`` is a committed sharded checkpoint: it holds Lightning's ``meta.pt``."""
+    return writer.exists(join_path(path, LIGHTNING_META_NAME))
+
+
+def load_sharded_url(
+    strategy: Any,
+    path: str,
+    writer: StorageWriter,
+    storage_options: dict[str, Any] | None,
+    weights_only: bool | None = None,
+) -> dict[str, Any]:
+    """Load the committed sharded checkpoint at URL ``path`` (the same on every rank: rank 0's) into ``strategy``'s
+    model and optimizers, as the strategy's own ``load_checkpoint`` loads a local one; return the rest of the
+    checkpoint (``meta.pt``), which Lightning restores from."""
+
+    def reader() -> Any:  # one per DCP load: a reader keeps the metadata of the load it served
+        return dcp_fsspec_reader(path, storage_options)
+
+    strict = strategy.lightning_module.strict_loading
+    if isinstance(strategy, FSDPStrategy):
+        _load_fsdp(strategy, reader, strict)
+    else:
+        _load_model_parallel(strategy, reader, strict)
+    meta = writer.read_bytes(join_path(path, LIGHTNING_META_NAME))
+    return torch.load(io.BytesIO(meta), weights_only=weights_only)
+
+
+def _load_model_parallel(strategy: Any, reader: Callable[[], Any], strict: bool) -> None:
+    """``ModelParallelStrategy``'s sharded load: the model under ``state_dict``, each optimizer under
+    ``optimizer_<i>``, through ``torch.distributed.checkpoint.state_dict``."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    module = strategy.model
+    module_state = {"state_dict": get_model_state_dict(module)}
+    dcp_load(module_state, storage_reader=reader())
+    module.load_state_dict(module_state["state_dict"], strict=strict)
+    for index, optimizer in enumerate(strategy.optimizers):
+        key = f"optimizer_{index}"
+        optimizer_state = {key: get_optimizer_state_dict(module, optimizer)}
+        dcp_load(optimizer_state, storage_reader=reader())
+        options = StateDictOptions(cpu_offload=True)
+        set_optimizer_state_dict(module, optimizer, optim_state_dict=optimizer_state[key], options=options)
+
+
+def _load_fsdp(strategy: Any, reader: Callable[[], Any], strict: bool) -> None:
+    """``FSDPStrategy``'s sharded load (FSDP1): the model under ``model`` in FSDP's sharded state dict type, each
+    optimizer under ``optimizer_<i>`` (only when fitting, as Lightning does)."""
+    from lightning.pytorch.trainer.states import TrainerFn
+    from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+    from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
+    from torch.distributed.fsdp.api import ShardedOptimStateDictConfig, ShardedStateDictConfig
+
+    model = strategy.model
+    sharded = FullyShardedDataParallel.state_dict_type(
+        module=model,
+        state_dict_type=StateDictType.SHARDED_STATE_DICT,
+        state_dict_config=ShardedStateDictConfig(offload_to_cpu=True),
+        optim_state_dict_config=ShardedOptimStateDictConfig(offload_to_cpu=True),
+    )
+    with sharded:
+        module_state = {"model": model.state_dict()}
+        dcp_load(module_state, storage_reader=reader())
+        model.load_state_dict(module_state["model"], strict=strict)
+        if strategy.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+            return
+        for index, optimizer in enumerate(strategy.optimizers):
+            key = f"optimizer_{index}"
+            optimizer_state = load_sharded_optimizer_state_dict(
+                model_state_dict=module_state["model"], optimizer_key=key, storage_reader=reader()
+            )
+            flattened = FullyShardedDataParallel.optim_state_dict_to_load(
+                model=model, optim=optimizer, optim_state_dict=optimizer_state[key]
+            )
+            optimizer.load_state_dict(flattened)
