@@ -49,7 +49,8 @@ def _results(out: pathlib.Path, world: int) -> list[str]:
 
 
 def _read_with_dcp(directory: pathlib.Path, scratch: pathlib.Path) -> dict[str, torch.Tensor]:
-    """The checkpoint as DCP reads it on one process, flattened to the reference keys."""
+    """The checkpoint as DCP reads it on one process, flattened to the reference keys (ModelParallel's: the model
+    under ``state_dict``; FSDPStrategy's checkpoints keep it under ``model``, see :func:`_read_all_with_dcp`)."""
     converted = scratch / f"{directory.name}.pt"
     dcp_to_torch_save(str(directory), str(converted))
     full = torch.load(converted, weights_only=False)
@@ -186,6 +187,7 @@ def test_fsdp_strategy_saves_as_lightning_does_and_resumes_bit_for_bit(tmp_path,
     nothing to protect here: the ModelParallel tests above prove the snapshot contract."""
     ours, theirs = tmp_path / "ours", fsdp_synchronous_run
     _run(ours, "--world", "2", "--fsdp1", "--epochs", "1")
+    assert _results(ours, 2) == ["ok", "ok"]
     _run(ours, "--world", "2", "--fsdp1", "--resume", "last.ckpt")
     assert _results(ours, 2) == _results(theirs, 2) == ["ok", "ok"]
     assert sorted(os.listdir(ours / "ckpt")) == sorted(os.listdir(theirs / "ckpt")) == _NAMES
@@ -209,6 +211,7 @@ def test_resume_from_s3_reproduces_the_uninterrupted_run(tmp_path, s3, strategy,
     fsdp = ("--fsdp1",) if strategy == "fsdp" else ()
     storage = ("--ckpt-dir", s3.url(prefix), "--storage-options", json.dumps(s3.storage_options))
     _run(tmp_path, "--world", "2", *fsdp, *storage, "--epochs", "1")
+    assert _results(tmp_path, 2) == ["ok", "ok"]
     _run(tmp_path, "--world", "2", *fsdp, *storage, "--resume", "last.ckpt")
     assert _results(tmp_path, 2) == ["ok", "ok"]
     assert sorted(_s3_directories(s3, prefix)) == _NAMES

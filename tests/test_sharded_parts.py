@@ -8,6 +8,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -20,6 +21,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 import lightning_datastates.sharded.saver as saver_module
 from lightning_datastates import DataStatesIO
+from lightning_datastates.compat.torch import local_shard
 from lightning_datastates.errors import CheckpointCaptureError, CheckpointFlushError
 from lightning_datastates.sharded.commit import LIGHTNING_META_NAME, ShardedSave
 from lightning_datastates.sharded.dcp_writer import DCP_METADATA_NAME, plan_checkpoint
@@ -149,9 +151,13 @@ def _one_process_fit(
     plugin: DataStatesIO,
     checkpoint: ModelCheckpoint,
     strategy: ModelParallelStrategy | None = None,
+    model: type[BNModel] | None = None,
+    max_epochs: int = 1,
+    ckpt_path: str | None = None,
 ) -> L.Trainer:
-    """A ModelParallel fit of this process alone (a process group of its own, 4 steps of a seeded model), saving
-    through ``plugin`` as ``checkpoint`` says; the trainer, its process group destroyed."""
+    """A ModelParallel fit of this process alone (a process group of its own, 4 steps per epoch of a seeded
+    ``model``, by default one whose parameters stay plain tensors), saving through ``plugin`` as ``checkpoint`` says,
+    resumed from ``ckpt_path`` if given; the trainer, its process group destroyed."""
     for name in ("LOCAL_RANK", "NODE_RANK"):  # Lightning sets them in this process: restored after the test
         monkeypatch.setenv(name, "0")  # records the value before (or its absence) for the undo
         monkeypatch.delenv(name)
@@ -159,9 +165,11 @@ def _one_process_fit(
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     torch.manual_seed(0)
     strategy = ModelParallelStrategy() if strategy is None else strategy
-    trainer = make_trainer(str(tmp_path), plugin, callbacks=[checkpoint], strategy=strategy, devices=1, max_epochs=1)
+    trainer = make_trainer(
+        str(tmp_path), plugin, callbacks=[checkpoint], strategy=strategy, devices=1, max_epochs=max_epochs
+    )
     try:
-        trainer.fit(_ParallelBNModel(width=32), make_loader(n=32))
+        trainer.fit((model or _ParallelBNModel)(width=32), make_loader(n=32), ckpt_path=ckpt_path)
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
@@ -171,6 +179,56 @@ def _one_process_fit(
 class _ParallelBNModel(BNModel):
     def configure_model(self) -> None:
         pass
+
+
+class _ShardedBNModel(BNModel):
+    """Its layers sharded by FSDP2 over the one rank: DTensor parameters, as Lightning's sharded load requires."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+
+
+def _final_weights(trainer: L.Trainer) -> dict[str, torch.Tensor]:
+    return {key: local_shard(value).detach().clone() for key, value in trainer.lightning_module.state_dict().items()}
+
+
+@pytest.mark.parametrize("where", ["s3", "file"])
+def test_a_run_resumes_from_a_sharded_checkpoint_at_a_url(tmp_path, s3, monkeypatch, where):
+    """Lightning's own sharded load makes a ``pathlib.Path`` of the URL (``s3://b`` becomes ``s3:/b``, ``file:///x``
+    becomes ``file:/x``) and fails; the plugin loads it with DCP's fsspec reader, with the S3 writer's own settings
+    left out of what s3fs gets. A one-epoch run, resumed from its checkpoint at the URL for a second epoch (model,
+    AdamW, LR scheduler, loop state), ends with the weights of an uninterrupted two-epoch run."""
+    if where == "s3":
+        options = {**s3.storage_options, "part_size_bytes": 5 * 1024**2}  # a setting of the S3 writer, not s3fs's
+        directory = url = s3.url(f"resume-{time.monotonic_ns()}")
+    else:  # saved to a plain path (ModelCheckpoint itself would turn a file:// dirpath into a relative one)
+        options, directory = None, str(tmp_path / "ckpt")
+        url = f"file://{directory}"
+
+    def fit(name: str, max_epochs: int, ckpt_path: str | None = None) -> L.Trainer:
+        checkpoint = ModelCheckpoint(dirpath=f"{directory}/{name}", every_n_train_steps=4)
+        plugin = DataStatesIO(storage_options=options)
+        return _one_process_fit(
+            tmp_path / name, monkeypatch, plugin, checkpoint, None, _ShardedBNModel, max_epochs, ckpt_path
+        )
+
+    fit("first", 1)
+    resumed = fit("resumed", 2, f"{url}/first/epoch=0-step=4.ckpt")
+    assert resumed.global_step == 8
+    assert_bit_equal(_final_weights(resumed), _final_weights(fit("uninterrupted", 2)), "after resume")
+
+
+def test_a_url_that_holds_no_sharded_checkpoint_fails_naming_it(tmp_path, s3, monkeypatch):
+    """A sharded strategy loads a URL only as a committed sharded directory: anything else fails with the URL in the
+    message (Lightning's own error would name the collapsed ``s3:/`` path)."""
+    s3.put("single/model.ckpt", b"not a sharded checkpoint")
+    for url in (s3.url("single/model.ckpt"), s3.url("nothing-here")):
+        checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"))
+        plugin = DataStatesIO(storage_options=s3.storage_options)
+        with pytest.raises(FileNotFoundError, match=f"{url} holds no sharded checkpoint"):
+            _one_process_fit(tmp_path, monkeypatch, plugin, checkpoint, None, _ShardedBNModel, 1, url)
 
 
 def test_sharded_fit_on_s3_commits_each_checkpoint_after_its_files(tmp_path, s3, monkeypatch):

@@ -29,7 +29,7 @@ from lightning_datastates.compat.lightning import (
     fsdp_state_dict_type,
     saves_distributed_checkpoint,
 )
-from lightning_datastates.sharded.remote_load import holds_sharded_checkpoint, is_url, load_sharded_url
+from lightning_datastates.sharded.remote_load import check_sharded_checkpoint, is_url, load_sharded_url
 from lightning_datastates.sharded.saver import ShardedSaver
 from lightning_datastates.storage.base import StorageWriter
 
@@ -75,14 +75,27 @@ def install(
 
     def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
         drain()  # a checkpoint this run saved is committed before it is read
-        path = checkpoint_path_str(checkpoint_path)
-        if is_url(path):
-            path = strategy.broadcast(path)  # rank 0's, as Lightning's own load: every rank checks the same one
-            writer = writer_for(path)
-            if holds_sharded_checkpoint(writer, path):
-                weights_only = kwargs.get("weights_only", args[0] if args else None)
-                return load_sharded_url(strategy, path, writer, storage_options, weights_only)
-        return original_load(checkpoint_path, *args, **kwargs)
+        # Rank 0 decides for every rank, in one broadcast (Lightning's own load makes one too): a rank that took the
+        # other branch would wait in a collective the others never join.
+        path, error = strategy.broadcast(_checked_by_rank_0(checkpoint_path_str(checkpoint_path)))
+        if error is not None:
+            raise FileNotFoundError(error)
+        if not is_url(path):
+            return original_load(checkpoint_path, *args, **kwargs)
+        weights_only = kwargs.get("weights_only", args[0] if args else None)
+        return load_sharded_url(strategy, path, writer_for(path), storage_options, weights_only)
+
+    def _checked_by_rank_0(path: str) -> tuple[str, str | None]:
+        """``path``, and on rank 0 why the URL ``path`` cannot be loaded (None: it can, or it is no URL)."""
+        if strategy.global_rank != 0 or not is_url(path):
+            return path, None
+        try:
+            check_sharded_checkpoint(writer_for(path), path)
+        except FileNotFoundError as exc:
+            return path, str(exc)
+        except Exception as exc:  # noqa: BLE001 - sent to every rank, raised there
+            return path, f"cannot read {path}: {exc!r}"
+        return path, None
 
     # On the instance: Lightning calls these through the strategy object; uninstall() drops them again.
     patches: dict[str, Any] = {"save_checkpoint": save_checkpoint, "load_checkpoint": load_checkpoint}

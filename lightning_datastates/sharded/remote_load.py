@@ -22,17 +22,29 @@ from lightning.pytorch.strategies import FSDPStrategy
 from lightning_datastates.compat.torch import dcp_fsspec_reader
 from lightning_datastates.sharded.commit import LIGHTNING_META_NAME
 from lightning_datastates.sharded.dcp_writer import join_path
+from lightning_datastates.storage import fsspec_storage_options
 from lightning_datastates.storage.base import StorageWriter
 
 
 def is_url(path: str) -> bool:
-    """Whether ``path`` is a URL (``s3://``, ``file://``, ...), which Lightning's ``pathlib.Path`` would collapse."""
+    """Whether ``path`` is a URL (``s3://``, ``file://``, ...), which Lightning's ``pathlib.Path`` would collapse
+    (``file:///x`` too, into ``file:/x``: the storage writers write ``file://`` as a local path, but every URL is
+    loaded here)."""
     return "://" in path
 
 
-def holds_sharded_checkpoint(writer: StorageWriter, path: str) -> bool:
-    """Whether the directory at ``path`` is a committed sharded checkpoint: it holds Lightning's ``meta.pt``."""
-    return writer.exists(join_path(path, LIGHTNING_META_NAME))
+def check_sharded_checkpoint(writer: StorageWriter, path: str) -> None:
+    """Before a load from the URL ``path`` (rank 0): the directory holds a committed sharded checkpoint.
+
+    Raises:
+        FileNotFoundError: it holds no ``meta.pt`` (a save that never committed, a single-file checkpoint, a typo).
+    """
+    if not writer.exists(join_path(path, LIGHTNING_META_NAME)):
+        raise FileNotFoundError(
+            f"{path} holds no sharded checkpoint (no {LIGHTNING_META_NAME}): with a sharded strategy, a checkpoint at "
+            "a URL loads only as the directory of a committed sharded save. Check the path; copy a single-file "
+            "checkpoint to the local file system to load it."
+        )
 
 
 def load_sharded_url(
@@ -42,12 +54,15 @@ def load_sharded_url(
     storage_options: dict[str, Any] | None,
     weights_only: bool | None = None,
 ) -> dict[str, Any]:
-    """Load the committed sharded checkpoint at URL ``path`` (the same on every rank: rank 0's) into ``strategy``'s
-    model and optimizers, as the strategy's own ``load_checkpoint`` loads a local one; return the rest of the
-    checkpoint (``meta.pt``), which Lightning restores from."""
+    """Load the committed sharded checkpoint at URL ``path`` (the same on every rank: rank 0's, which checked it with
+    :func:`check_sharded_checkpoint`) into ``strategy``'s model and optimizers, as the strategy's own
+    ``load_checkpoint`` loads a local one; return the rest of the checkpoint (``meta.pt``), which Lightning restores
+    from."""
+
+    options = fsspec_storage_options(path, storage_options)
 
     def reader() -> Any:  # one per DCP load: a reader keeps the metadata of the load it served
-        return dcp_fsspec_reader(path, storage_options)
+        return dcp_fsspec_reader(path, options)
 
     strict = strategy.lightning_module.strict_loading
     if isinstance(strategy, FSDPStrategy):

@@ -16,6 +16,7 @@ __all__ = [
     "LocalWriter",
     "StorageWriter",
     "WriteSession",
+    "fsspec_storage_options",
     "is_local_path",
     "local_path",
     "writer_for",
@@ -62,3 +63,16 @@ def writer_for(path: str, storage_options: dict[str, Any] | None = None, direct_
             "Install its fsspec package (s3fs, gcsfs, adlfs, ...), fix the URL, or check the keys of "
             "DataStatesIO(storage_options=...)."
         ) from exc
+
+
+def fsspec_storage_options(path: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
+    """The options to open ``path``'s file system with fsspec (for a reader of our files, such as DCP's): the
+    plugin's ``storage_options`` without the S3 writer's own settings
+    (:data:`~lightning_datastates.storage.s3.TUNABLES`), which s3fs would pass on to botocore and fail on."""
+    options = dict(storage_options or {})
+    if writer_kind(path) in ("s3", "s3a"):
+        from lightning_datastates.storage.s3.client import TUNABLES  # imports no s3fs
+
+        for name in TUNABLES:
+            options.pop(name, None)
+    return options
