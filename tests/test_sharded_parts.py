@@ -8,6 +8,7 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -303,6 +304,28 @@ class _SaverHost:
 
 def _refuse_to_mark(writer: LocalWriter, directory: str) -> str:
     raise PermissionError(13, "Permission denied (injected)", directory)
+
+
+def test_dcp_plans_each_save_with_automatic_collection_paused(tmp_path, monkeypatch):
+    """The committer's planning (thousands of objects made and dropped) runs with automatic garbage collection
+    paused, so that it triggers no collection of the training process's heap on its thread; the collector is on again
+    after it."""
+    import gc
+
+    import lightning_datastates.sharded.commit as commit_module
+
+    seen: list[tuple[str, bool]] = []
+    plan_checkpoint = commit_module.plan_checkpoint
+
+    def recorded(*args, **kwargs):
+        seen.append((threading.current_thread().name, gc.isenabled()))
+        return plan_checkpoint(*args, **kwargs)
+
+    monkeypatch.setattr(commit_module, "plan_checkpoint", recorded)
+    checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=1, save_top_k=-1)
+    _one_process_fit(tmp_path, monkeypatch, DataStatesIO(), checkpoint)
+    assert seen == [("datastates-sharded-commit", False)] * 4
+    assert gc.isenabled()
 
 
 @pytest.mark.parametrize("failing", ["mark", "meta"])

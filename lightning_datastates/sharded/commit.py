@@ -3,7 +3,8 @@
 One :class:`ShardedCommitter` per rank runs a thread that takes this rank's saves in save order. For each it
 
 1. plans the checkpoint with DCP (:func:`~lightning_datastates.sharded.dcp_writer.plan_checkpoint`: DCP's two
-   planning collectives, from the plans every rank staged), which gives rank 0 the ``.metadata``;
+   planning collectives, from the plans every rank staged), which gives rank 0 the ``.metadata``; automatic garbage
+   collection is paused meanwhile (:mod:`~lightning_datastates.gcpause`);
 2. waits until the engine committed (or failed) this rank's shard file;
 3. exchanges the outcome and the name of the file it wrote with every rank (``all_gather_object``);
 4. on rank 0, if every rank succeeded: reads the names of the files of the checkpoint the directory holds (if any),
@@ -39,6 +40,7 @@ from datetime import timedelta
 from typing import Any
 
 from lightning_datastates.errors import CheckpointFlushError
+from lightning_datastates.gcpause import collection_paused
 from lightning_datastates.sharded.dcp_writer import (
     DCP_METADATA_NAME,
     CheckpointPlan,
@@ -189,7 +191,9 @@ class ShardedCommitter:
         planned: CheckpointPlan | None = None
         own_error: str | None = None
         try:
-            planned = plan_checkpoint(save.staged, save.path, self._group)
+            # Thousands of plan objects built and dropped: no collection (and no promotion) on this thread for them.
+            with collection_paused():
+                planned = plan_checkpoint(save.staged, save.path, self._group)
         except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException; reported below
             own_error = f"DCP could not plan it: {exc!r}"
         # Already raised on this rank's training thread (its staging) or reported by the engine (its file).
