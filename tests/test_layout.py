@@ -35,7 +35,9 @@ from lightning_datastates.capture.layout import (
     VerifiedStructures,
     _check_layout,
     _match_records,
+    joined_segments,
     plan_layout,
+    with_metadata_checksums,
 )
 from lightning_datastates.compat.torch import NEVER_STORAGE_TYPES, storage_identity
 from lightning_datastates.errors import CheckpointCaptureError
@@ -744,3 +746,29 @@ def test_cut_refuses_ranges_outside_the_segments_or_across_them() -> None:
         layout_module._cut(segments, [(50, 4)])  # in the hole between the segments
     with pytest.raises(LayoutUnsupported, match="straddle"):
         layout_module._cut(segments, [(4, 4)])  # past the first segment's end
+
+
+# ---------------------------------------------------------------------------------------- metadata checksums
+def test_a_layout_with_its_metadata_checksums_leaves_the_writer_only_the_payload_and_assembles_the_same_file():
+    """``data.pkl``, ``byteorder``, ``version``, ... are checksummed at plan time; only payload records stay open. The
+    assembled file is the same, byte for byte, and every record's CRC-32 checks out."""
+    tensor = torch.arange(1000, dtype=torch.float32)
+    layout, storages = plan_layout(tensor)
+    settled = with_metadata_checksums(layout)
+    payload = {(record.offset, record.nbytes) for record in layout.records}
+    assert {(slot.data_offset, slot.nbytes) for slot in settled.checksums} == payload
+    assert len(layout.checksums) > len(settled.checksums)
+    assert len(settled.metadata) < len(layout.metadata)
+    assembled = _assemble_layout(settled, storages)
+    assert assembled == _assemble_layout(layout, storages)
+    assert zipfile.ZipFile(io.BytesIO(assembled)).testzip() is None
+
+
+def test_adjacent_segments_are_joined_and_separate_ones_kept():
+    assert joined_segments([(4, b"cd"), (0, b"ab"), (2, b""), (6, b"e"), (9, b"f")]) == (
+        (0, b"ab"),
+        (4, b"cde"),
+        (9, b"f"),
+    )
+    with pytest.raises(ValueError, match="overlap at byte 1"):
+        joined_segments([(0, b"ab"), (1, b"c")])

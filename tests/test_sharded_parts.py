@@ -306,6 +306,32 @@ def _refuse_to_mark(writer: LocalWriter, directory: str) -> str:
     raise PermissionError(13, "Permission denied (injected)", directory)
 
 
+def test_every_archive_of_a_shard_file_carries_the_crcs_of_its_records(tmp_path, monkeypatch):
+    """Each tensor item of a rank's file is a zip archive whose every record (``data.pkl``, ``byteorder``, the
+    payload, ...) carries its CRC-32, as ``torch.save`` writes them: the metadata records' filled at plan time, the
+    payload's by the writer. ``zipfile`` checks them all, for every save of a real fit."""
+    import zipfile
+
+    checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=1, save_top_k=-1)
+    _one_process_fit(tmp_path, monkeypatch, DataStatesIO(), checkpoint, model=_ShardedBNModel)
+    directories = sorted((tmp_path / "ckpt").iterdir())
+    assert len(directories) == 4
+    checked = 0
+    for directory in directories:
+        metadata = pickle.loads((directory / DCP_METADATA_NAME).read_bytes())
+        for index, info in metadata.storage_data.items():
+            if isinstance(metadata.state_dict_metadata[index.fqn], dcp.metadata.BytesStorageMetadata):
+                continue  # a pickled object's bytes, no archive
+            with open(directory / info.relative_path, "rb") as handle:
+                handle.seek(info.offset)
+                archive = zipfile.ZipFile(io.BytesIO(handle.read(info.length)))
+            assert archive.testzip() is None, (directory.name, index.fqn)
+            assert len(archive.namelist()) >= 4
+            checked += 1
+    # Per save: 8 parameters, with AdamW's two moments and step each; 3 BatchNorm buffers.
+    assert checked == 4 * (8 * 4 + 3)
+
+
 def test_dcp_plans_each_save_with_automatic_collection_paused(tmp_path, monkeypatch):
     """The committer's planning (thousands of objects made and dropped) runs with automatic garbage collection
     paused, so that it triggers no collection of the training process's heap on its thread; the collector is on again

@@ -39,7 +39,9 @@ import bisect
 import collections
 import contextlib
 import io
+import struct
 import threading
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -394,6 +396,70 @@ def plan_serialized_layout(data: bytes) -> CheckpointLayout:
     view = memoryview(data)
     slots = _checksum_slots(lambda offset, nbytes: view[offset : offset + nbytes], len(data))
     return CheckpointLayout(_without_fields(((0, data),), slots), (), len(data), slots)
+
+
+def with_metadata_checksums(layout: CheckpointLayout) -> CheckpointLayout:
+    """``layout`` with the CRC-32 of every record that lies wholly in its metadata (an archive's ``data.pkl``,
+    ``byteorder``, ``version``, ...) put into the metadata now, and adjacent segments joined (pure).
+
+    Why: those records' bytes are in the plan already, and their CRC-32 fields, left open for the writer, cut the
+    metadata into many small segments, each its own write request. A shard file of a sharded save holds one archive
+    per tensor, five such records each: planned this way the writer's requests for it fall by about four fifths, and
+    only the payload records' fields are left to fill. Only for layouts whose metadata stays as planned: a plan that
+    later splices a new ``data.pkl`` into a kept layout (single-file checkpoints, :class:`VerifiedStructures`) would
+    leave its CRC-32 stale.
+    """
+    segments = sorted(layout.metadata)
+    starts = [offset for offset, _ in segments]
+    filled: list[tuple[int, bytes]] = []
+    open_slots: list[ChecksumSlot] = []
+    for slot in layout.checksums:
+        data = _metadata_bytes(segments, starts, slot.data_offset, slot.nbytes)
+        if data is None:
+            open_slots.append(slot)  # payload: the writer checksums it
+            continue
+        crc = struct.pack("<I", zlib.crc32(data))
+        filled.extend((field, crc) for field in slot.crc_fields)
+    return replace(layout, metadata=joined_segments([*segments, *filled]), checksums=tuple(open_slots))
+
+
+def joined_segments(segments: Iterable[tuple[int, bytes]]) -> tuple[tuple[int, bytes], ...]:
+    """``(offset, bytes)`` segments sorted, each run of adjacent ones joined into one (pure).
+
+    Raises:
+        ValueError: two segments overlap.
+    """
+    runs: list[tuple[int, list[bytes], int]] = []  # (start, parts, end)
+    for offset, data in sorted(segments):
+        if not data:
+            continue
+        if runs and offset < runs[-1][2]:
+            raise ValueError(f"metadata segments overlap at byte {offset}")
+        if runs and offset == runs[-1][2]:
+            start, parts, end = runs[-1]
+            parts.append(data)
+            runs[-1] = (start, parts, end + len(data))
+        else:
+            runs.append((offset, [data], offset + len(data)))
+    return tuple((start, parts[0] if len(parts) == 1 else b"".join(parts)) for start, parts, _ in runs)
+
+
+def _metadata_bytes(segments: list[tuple[int, bytes]], starts: list[int], offset: int, nbytes: int) -> bytes | None:
+    """The ``nbytes`` bytes from ``offset`` if adjacent ``segments`` (sorted; ``starts`` their offsets) hold all of
+    them, else None."""
+    index = bisect.bisect_right(starts, offset) - 1
+    parts: list[bytes] = []
+    position, end = offset, offset + nbytes
+    while position < end:
+        if index < 0 or index >= len(segments):
+            return None
+        start, data = segments[index]
+        if not start <= position < start + len(data):
+            return None
+        parts.append(data[position - start : end - start])
+        position = start + len(data)
+        index += 1
+    return b"".join(parts)
 
 
 def _checksum_slots(read_at: Any, size: int) -> tuple[ChecksumSlot, ...]:

@@ -33,7 +33,9 @@ from lightning_datastates.capture.layout import (
     ChecksumSlot,
     StorageRecord,
     VerifiedStructures,
+    joined_segments,
     plan_layout,
+    with_metadata_checksums,
 )
 from lightning_datastates.compat.torch import storage_identity
 
@@ -100,6 +102,8 @@ class ArchivePlans:
             self.hits += 1
             return layout, [tensor.untyped_storage()]
         layout, storages = plan_layout(tensor, self.alignment, self._verified)
+        # Each archive's layout stays as planned (nothing splices it later): its metadata records' CRCs go in now.
+        layout = with_metadata_checksums(layout)
         if key is not None and len(storages) == 1:
             self._layouts[key] = layout
         return layout, storages
@@ -213,7 +217,9 @@ def _plan_tensor_run(
         storages.extend(tensor_storages)
         extents.append(PieceExtent(start, layout.total_bytes))
         position = start + layout.total_bytes
-    run = _TensorRun(tuple(metadata), tuple(records), tuple(checksums), tuple(extents), position)
+    # One segment from each archive's payload to the next one's (the padding between them included): a few write
+    # requests per archive instead of one per segment.
+    run = _TensorRun(joined_segments(metadata), tuple(records), tuple(checksums), tuple(extents), position)
     return run, storages
 
 
