@@ -280,7 +280,8 @@ class DataStatesIO(CheckpointIO):
         """Make the host arena before the first save, sized for checkpoints asking about ``request_bytes`` (see
         :meth:`SnapshotEngine.prepare_arena <lightning_datastates.snapshot.engine.SnapshotEngine.prepare_arena>`).
         Training thread, on a rank that saves through this plugin."""
-        self.engine.prepare_arena(request_bytes)
+        # A rank's shard files are read by DCP from storage, never from the arena: their blocks are freed once written.
+        self.engine.prepare_arena(request_bytes, serve_loads=not self.saves_sharded)
 
     def prepare_planning(self, sample: Any) -> None:
         """Have the layout planner compare its fast path with ``torch.save`` on ``sample`` (the training state) before

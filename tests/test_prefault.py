@@ -91,6 +91,21 @@ def test_only_the_pages_of_the_first_checkpoints_are_mapped_ahead() -> None:
     arena.close()
 
 
+@needs_map_ahead
+def test_an_arena_whose_written_blocks_are_freed_maps_one_checkpoint_ahead() -> None:
+    """Where written checkpoints leave the arena at once (sharded saves, ``serve_from_memory=False``), the next copy
+    reuses the same blocks: only one checkpoint's pages are mapped ahead, not the two the resident cache keeps."""
+    request = 8 * MiB
+    for config, keeps_written in (
+        (DataStatesConfig(host_cache=64 * MiB), False),
+        (DataStatesConfig(host_cache=64 * MiB, serve_from_memory=False), True),
+    ):
+        arena = prepare_arena(config, request, keeps_written).arena
+        assert arena.wait_prefaulted(30) == request
+        assert _resident_pages(arena.buffer[request:]) == 0
+        arena.close()
+
+
 class _GatedPopulate:
     """Maps nothing; each call records its thread and waits until the test opens the gate."""
 

@@ -22,6 +22,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 import lightning_datastates.sharded.saver as saver_module
 from lightning_datastates import DataStatesIO
+from lightning_datastates.alignment import align_up
 from lightning_datastates.compat.torch import local_shard
 from lightning_datastates.errors import CheckpointCaptureError, CheckpointFlushError
 from lightning_datastates.sharded.commit import LIGHTNING_META_NAME, ShardedSave
@@ -330,6 +331,28 @@ def test_every_archive_of_a_shard_file_carries_the_crcs_of_its_records(tmp_path,
             checked += 1
     # Per save: 8 parameters, with AdamW's two moments and step each; 3 BatchNorm buffers.
     assert checked == 4 * (8 * 4 + 3)
+
+
+def test_a_ranks_arena_maps_one_checkpoint_of_shards_ahead(tmp_path, monkeypatch):
+    """A rank's shard files are read from storage, never from its arena, so their blocks are freed once written and
+    the next checkpoint reuses them: the arena made before the first save maps one checkpoint's pages ahead, not two
+    (a whole checkpoint of shards more resident memory per rank for nothing)."""
+    import lightning_datastates.snapshot.engine as engine_module
+
+    requests: list[tuple[int, bool]] = []
+    prepare_arena = engine_module.prepare_arena
+
+    def recorded(config, request_bytes, keeps_written=True):
+        requests.append((request_bytes, keeps_written))
+        return prepare_arena(config, request_bytes, keeps_written)
+
+    monkeypatch.setattr(engine_module, "prepare_arena", recorded)
+    plugin = DataStatesIO()
+    checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=1, save_top_k=-1)
+    _one_process_fit(tmp_path, monkeypatch, plugin, checkpoint, model=_ShardedBNModel)
+    ((request, keeps_written),) = requests
+    assert not keeps_written
+    assert plugin.engine.arena.wait_prefaulted(30) == align_up(request)
 
 
 def test_dcp_plans_each_save_with_automatic_collection_paused(tmp_path, monkeypatch):

@@ -79,18 +79,20 @@ class PreparedArena:
         return config.host_cache is not None or request_bytes <= self.request_bytes * (1 + PREPARED_TOLERANCE)
 
 
-def prepare_arena(config: DataStatesConfig, request_bytes: int) -> PreparedArena:
+def prepare_arena(config: DataStatesConfig, request_bytes: int, keeps_written: bool = True) -> PreparedArena:
     """An arena for checkpoints asking about ``request_bytes``, made now, before the first capture: its pinning
-    (CUDA hosts) then runs while training does, and ends before the first checkpoint is copied."""
-    return PreparedArena(_new_arena(config, request_bytes), request_bytes)
+    (CUDA hosts) then runs while training does, and ends before the first checkpoint is copied. ``keeps_written``:
+    whether written checkpoints stay in it for loading (see :func:`~lightning_datastates.copy.sizing.
+    checkpoints_mapped_ahead`)."""
+    return PreparedArena(_new_arena(config, request_bytes, keeps_written), request_bytes)
 
 
 def open_arena(
-    config: DataStatesConfig, request_bytes: int, prepared: PreparedArena | None = None
+    config: DataStatesConfig, request_bytes: int, prepared: PreparedArena | None = None, keeps_written: bool = True
 ) -> tuple[HostArena, ResidentCache | None]:
-    """The host arena for ``request_bytes`` as ``config`` sizes it, and, with ``serve_from_memory``, the resident
-    cache over it. The ``prepared`` arena where it serves this checkpoint; otherwise it is discarded (its unpinning
-    runs on a thread of its own) and a new one made."""
+    """The host arena for ``request_bytes`` as ``config`` sizes it (``keeps_written`` as for :func:`prepare_arena`),
+    and, with ``serve_from_memory``, the resident cache over it. The ``prepared`` arena where it serves this
+    checkpoint; otherwise it is discarded (its unpinning runs on a thread of its own) and a new one made."""
     if prepared is not None and prepared.serves(request_bytes, config):
         arena = prepared.arena
     else:
@@ -102,17 +104,18 @@ def open_arena(
                 prepared.request_bytes / 2**20,
             )
             prepared.arena.discard()
-        arena = _new_arena(config, request_bytes)
+        arena = _new_arena(config, request_bytes, keeps_written)
     resident = ResidentCache(arena) if config.serve_from_memory else None
     return arena, resident
 
 
-def _new_arena(config: DataStatesConfig, request_bytes: int) -> HostArena:
+def _new_arena(config: DataStatesConfig, request_bytes: int, keeps_written: bool) -> HostArena:
     # Page-locked memory lets the CUDA copy engine write straight into the arena, asynchronously; it is locked on a
     # thread of its own (copy/pinning.py), never on the training thread. Elsewhere the pages the first checkpoints
-    # use (as many as the default arena holds) are mapped in ahead of their copies, also on a thread of its own
-    # (copy/prefault.py); the rest of a larger host_cache is mapped as copies first write it.
-    prefault_bytes = sizing.CHECKPOINTS_HELD * request_bytes
+    # use (those that routinely sit in the arena together) are mapped in ahead of their copies, also on a thread of
+    # its own (copy/prefault.py); the rest of the arena is mapped as copies first write it.
+    keeps_written = keeps_written and config.serve_from_memory
+    prefault_bytes = sizing.checkpoints_mapped_ahead(keeps_written) * request_bytes
     arena = HostArena(config.arena_bytes_for(request_bytes), pinning.default_pinner(), prefault_bytes)
     log.info("lightning_datastates: host arena of %.1f MiB allocated", arena.size_bytes / 2**20)
     return arena

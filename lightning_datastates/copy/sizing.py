@@ -11,10 +11,10 @@ With ``host_cache=None`` the arena is sized from the first checkpoint it serves:
   then waits for the flush, chunk by chunk);
 - never below :data:`FLOOR_BYTES`, whatever the host reports.
 
-A user's ``host_cache`` overrides the rule entirely. On a CPU host the pages of :data:`CHECKPOINTS_HELD` checkpoints
-are mapped in (resident) shortly after the arena is made, by a thread of its own (copy/prefault.py), and the rest of a
-larger arena only once a copy first writes it; on a CUDA host the whole arena is page-locked (resident) shortly after
-it is made.
+A user's ``host_cache`` overrides the rule entirely. On a CPU host the pages of the checkpoints that routinely sit
+in the arena together (:func:`checkpoints_mapped_ahead`) are mapped in (resident) shortly after the arena is made,
+by a thread of its own (copy/prefault.py), and the rest of the arena only once a copy first writes it; on a CUDA
+host the whole arena is page-locked (resident) shortly after it is made.
 """
 
 from __future__ import annotations
@@ -51,3 +51,15 @@ def available_memory_bytes() -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def checkpoints_mapped_ahead(keeps_written: bool) -> int:
+    """How many checkpoints' worth of arena pages to map in ahead of the copies on a CPU host (pure).
+
+    :data:`CHECKPOINTS_HELD` where written checkpoints stay in the arena (``serve_from_memory``: the newest one is kept
+    for loading, so the next copy lands beside it); one where blocks are freed once written (sharded saves, whose
+    files DCP's reader reads from storage, or ``serve_from_memory=False``): the next copy reuses the same blocks (free
+    space is handed out lowest offset first), and the rest is mapped only if a copy overlaps a flush. Mapping ahead
+    what no copy writes would only add resident memory: a whole checkpoint's shards per rank.
+    """
+    return CHECKPOINTS_HELD if keeps_written else 1

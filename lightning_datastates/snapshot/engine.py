@@ -120,12 +120,14 @@ class SnapshotEngine:
         return None if self._data_path is None else self._data_path.resident
 
     # ------------------------------------------------------------------ capture
-    def prepare_arena(self, request_bytes: int) -> None:
+    def prepare_arena(self, request_bytes: int, serve_loads: bool = True) -> None:
         """Make the host arena now, for checkpoints asking about ``request_bytes``, so that its page-locking (CUDA
         hosts, on a thread of its own) is done before the first capture; the first capture takes it, or replaces it
-        if it asks for more (capture/admission.py). Once: nothing to do after the first call or capture."""
+        if it asks for more (capture/admission.py). Once: nothing to do after the first call or capture.
+        ``serve_loads``: whether the captures will keep their files in the arena for loading (as
+        :meth:`capture_planned`'s)."""
         if self._data_path is None and self._prepared is None:
-            self._prepared = prepare_arena(self.config, request_bytes)
+            self._prepared = prepare_arena(self.config, request_bytes, serve_loads)
 
     def prepare_planning(self, sample: Any) -> None:
         """Compare the layout planner's fast path with ``torch.save`` on ``sample`` (the training state) now, so that
@@ -179,7 +181,7 @@ class SnapshotEngine:
         back to the arena once written, even with ``serve_from_memory``: for a file no load of this plugin reads.
         Same contract and errors as :meth:`capture`."""
         started_at = time.perf_counter() if started_at is None else started_at
-        data_path = self._open_data_path(arena_request_bytes(layout))
+        data_path = self._open_data_path(arena_request_bytes(layout), serve_loads)
         may_skip = lazy is not None and not awaits_commit
         in_flight, held_bytes = self._pending.in_flight, self.held_arena_bytes
         admission = admit(layout, data_path.arena, self.config, may_skip, in_flight, held_bytes)
@@ -241,10 +243,11 @@ class SnapshotEngine:
             self._warn_back_pressure(job.stats.arena_wait_s)
         return job.stats
 
-    def _open_data_path(self, request_bytes: int) -> _DataPath:
-        """The arena and the loops over it; the first call sets them up, sized for ``request_bytes``."""
+    def _open_data_path(self, request_bytes: int, serve_loads: bool) -> _DataPath:
+        """The arena and the loops over it; the first call sets them up, sized for ``request_bytes`` (``serve_loads``:
+        whether the first capture keeps its file in the arena for loading)."""
         if self._data_path is None:
-            arena, resident = open_arena(self.config, request_bytes, self._prepared)
+            arena, resident = open_arena(self.config, request_bytes, self._prepared, serve_loads)
             self._prepared = None
             retire = self._threads.retire_if_idle
             writers = WriteLoop(self._write_queue, arena, resident, self._sharing, self._pending.finish, retire)
