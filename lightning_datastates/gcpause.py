@@ -13,19 +13,37 @@ young, and the training threads' full collections stayed at 6, as without checkp
 Call order: any thread, :func:`collection_paused` around the burst. Nested and concurrent uses share one pause: the
 first to enter disables automatic collection if it was enabled, the last to leave enables it again. Collection that
 was disabled before (some training scripts run it by hand) stays disabled. Other code's ``gc.disable()`` while a
-pause lasts is undone when it ends: the pauses last milliseconds to a few seconds, within a checkpoint's commit.
+pause lasts is undone when it ends. A pause lasts as long as the burst: for the committer's planning, milliseconds,
+or as long as it waits in DCP's collectives for the slowest rank (the training threads keep the ranks within about a
+step of each other). A child process forked during a pause (a DataLoader's workers, forked at each epoch's start)
+does not inherit it: only the forking thread lives on there, and no pause of the parent would ever end in the child,
+so the child's collector is enabled again at once (``os.register_at_fork``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import threading
 from collections.abc import Iterator
 
 _lock = threading.Lock()
 _holders = 0
 _reenable = False
+
+
+def _after_fork_in_child() -> None:
+    """In a child forked during a pause: no pause of the parent ever ends here, so end it now."""
+    global _lock, _holders, _reenable
+    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
+    if _holders and _reenable:
+        gc.enable()
+    _holders, _reenable = 0, False
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import threading
 
 import pytest
@@ -88,4 +89,21 @@ def test_overlapping_pauses_of_two_threads_end_with_the_last():
 def test_an_exception_in_the_block_still_ends_the_pause():
     with pytest.raises(RuntimeError), collection_paused():
         raise RuntimeError("boom")
+    assert gc.isenabled()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX fork")
+def test_a_process_forked_during_a_pause_has_its_collector_enabled():
+    """A DataLoader forks its workers at each epoch's start, maybe while the committer plans: the children must not
+    run the epoch without cycle collection (no pause of the parent ever ends in them)."""
+    with collection_paused():
+        child = os.fork()
+        if child == 0:  # the child: report through the exit status, never return into pytest
+            os._exit(0 if gc.isenabled() else 1)
+        assert not gc.isenabled()
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert gc.isenabled()
+    with collection_paused():  # the module's state is intact in the parent
+        assert not gc.isenabled()
     assert gc.isenabled()
