@@ -201,22 +201,21 @@ def test_fsdp_strategy_saves_as_lightning_does_and_resumes_bit_for_bit(tmp_path,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["model-parallel", "fsdp"])
-def test_resume_from_s3_reproduces_the_uninterrupted_run(tmp_path, s3, strategy, request):
+def test_resume_from_s3_reproduces_the_uninterrupted_run(tmp_path, s3, fsdp_synchronous_run):
     """Lightning's sharded load turns ``s3://bucket/...`` into a ``pathlib.Path`` and cannot read it; the plugin loads
-    such a directory itself, with DCP's fsspec reader. A run saving to the moto server stops after one epoch; a second
-    run resumes from ``last.ckpt`` there and ends with the weights of an uninterrupted local run; the bucket then holds
-    the names an uninterrupted run leaves (top-2 and last, the older ones removed across the restart)."""
-    prefix = f"resume-{strategy}-{time.monotonic_ns()}/ckpt"
-    fsdp = ("--fsdp1",) if strategy == "fsdp" else ()
+    such a directory itself, with DCP's fsspec reader (every rank told by rank 0 which way to load). With
+    ``FSDPStrategy`` on 2 ranks (ModelParallel's load from a URL: test_sharded_parts.py, in one process): a run saving
+    to the moto server stops after one epoch; a second run resumes from ``last.ckpt`` there and ends with the weights
+    of an uninterrupted local run; the bucket then holds the names an uninterrupted run leaves (top-2 and last, the
+    older ones removed across the restart)."""
+    prefix = f"resume-{time.monotonic_ns()}/ckpt"
     storage = ("--ckpt-dir", s3.url(prefix), "--storage-options", json.dumps(s3.storage_options))
-    _run(tmp_path, "--world", "2", *fsdp, *storage, "--epochs", "1")
+    _run(tmp_path, "--world", "2", "--fsdp1", *storage, "--epochs", "1")
     assert _results(tmp_path, 2) == ["ok", "ok"]
-    _run(tmp_path, "--world", "2", *fsdp, *storage, "--resume", "last.ckpt")
+    _run(tmp_path, "--world", "2", "--fsdp1", *storage, "--resume", "last.ckpt")
     assert _results(tmp_path, 2) == ["ok", "ok"]
     assert sorted(_s3_directories(s3, prefix)) == _NAMES
-    uninterrupted = request.getfixturevalue("fsdp_synchronous_run" if fsdp else "two_rank_run")
-    _assert_same_final_state(tmp_path, uninterrupted)
+    _assert_same_final_state(tmp_path, fsdp_synchronous_run)
 
 
 @pytest.mark.slow
