@@ -55,10 +55,10 @@ def install(
     saver: ShardedSaver,
     drain: Callable[[], None],
     writer_for: Callable[[str], StorageWriter],
-    storage_options: dict[str, Any] | None,
+    plugin_storage_options: dict[str, Any] | None,
 ) -> None:
     """Route ``strategy``'s sharded saves through ``saver``, and its loads of URLs through DCP's fsspec reader
-    (``writer_for`` and ``storage_options``: the plugin's); ``drain()`` waits for every pending commit."""
+    (``writer_for`` and ``plugin_storage_options``: the plugin's); ``drain()`` waits for every pending commit."""
     original_load = strategy.load_checkpoint
 
     def save_checkpoint(checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -83,7 +83,7 @@ def install(
         if not is_url(path):
             return original_load(checkpoint_path, *args, **kwargs)
         weights_only = kwargs.get("weights_only", args[0] if args else None)
-        return load_sharded_url(strategy, path, writer_for(path), storage_options, weights_only)
+        return load_sharded_url(strategy, path, writer_for(path), plugin_storage_options, weights_only)
 
     def _checked_by_rank_0(path: str) -> tuple[str, str | None]:
         """``path``, and on rank 0 why the URL ``path`` cannot be loaded (None: it can, or it is no URL)."""

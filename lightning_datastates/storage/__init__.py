@@ -69,10 +69,8 @@ def fsspec_storage_options(path: str, storage_options: dict[str, Any] | None) ->
     """The options to open ``path``'s file system with fsspec (for a reader of our files, such as DCP's): the
     plugin's ``storage_options`` without the S3 writer's own settings
     (:data:`~lightning_datastates.storage.s3.TUNABLES`), which s3fs would pass on to botocore and fail on."""
-    options = dict(storage_options or {})
     if writer_kind(path) in ("s3", "s3a"):
-        from lightning_datastates.storage.s3.client import TUNABLES  # imports no s3fs
+        from lightning_datastates.storage.s3.client import split_tunables  # imports no s3fs
 
-        for name in TUNABLES:
-            options.pop(name, None)
-    return options
+        return split_tunables(storage_options)[0]
+    return dict(storage_options or {})

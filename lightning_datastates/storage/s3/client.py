@@ -26,6 +26,16 @@ log = logging.getLogger("lightning_datastates")
 
 #: Settings of the writer itself, accepted in ``storage_options`` beside the s3fs options.
 TUNABLES = ("part_size_bytes", "max_concurrent_parts", "retries", "timeout_s", "read_range_bytes")
+
+
+def split_tunables(storage_options: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``DataStatesIO(storage_options=...)`` for ``s3://`` split into the s3fs options and the writer's own settings
+    (:data:`TUNABLES`), which s3fs would pass on to botocore and fail on (pure; the input is not changed)."""
+    options = dict(storage_options or {})
+    tunables = {name: options.pop(name) for name in TUNABLES if name in options}
+    return options, tunables
+
+
 #: s3fs options that would break the synchronous driver.
 _REJECTED_KEYS = {"asynchronous", "loop"}
 #: Fixes to suggest for S3 error codes that a user can act on.

@@ -24,10 +24,10 @@ from lightning_datastates.storage.leftovers import DEFAULT_STALE_AGE_S
 from lightning_datastates.storage.s3 import reads
 from lightning_datastates.storage.s3.client import (
     ERROR_HINTS,
-    TUNABLES,
     S3Client,
     S3NotFoundError,
     check_s3_options,
+    split_tunables,
 )
 from lightning_datastates.storage.s3.markers import OPEN_UPLOADS, clean_stale_uploads, write_marker
 from lightning_datastates.storage.s3.parts import MiB, plan_parts
@@ -85,8 +85,7 @@ class S3Writer(StorageWriter):
     def from_storage_options(cls, storage_options: dict[str, Any] | None) -> S3Writer:
         """A writer from ``DataStatesIO(storage_options=...)``: the :data:`TUNABLES` keys set the writer, the rest
         go to s3fs."""
-        options = dict(storage_options or {})
-        tunables = {name: options.pop(name) for name in TUNABLES if name in options}
+        options, tunables = split_tunables(storage_options)
         return cls(options, **tunables)
 
     @property
