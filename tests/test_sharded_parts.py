@@ -39,6 +39,7 @@ from tests.s3_server import (  # noqa: F401 - the *_fixture imports register the
     s3_endpoint_fixture,
     s3_fixture,
 )
+from tests.sharded_script import CpuFSDPStrategy
 
 
 def _write(plan, path: str) -> None:
@@ -220,6 +221,52 @@ def test_a_run_resumes_from_a_sharded_checkpoint_at_a_url(tmp_path, s3, monkeypa
     resumed = fit("resumed", 2, f"{url}/first/epoch=0-step=4.ckpt")
     assert resumed.global_step == 8
     assert_bit_equal(_final_weights(resumed), _final_weights(fit("uninterrupted", 2)), "after resume")
+
+
+class _Fsdp1BNModel(BNModel):
+    """Its layers wrapped by FSDP1 on the CPU (named as FSDP's device: the strategy passes none on a CPU machine)."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        self.net = FullyShardedDataParallel(self.net, device_id=torch.device("cpu"), use_orig_params=True)
+
+
+def _parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters as they are (FSDP1 over one rank with ``use_orig_params``: whole tensors), without FSDP's full
+    state dict, which gathers."""
+    return {name: param.detach().clone() for name, param in module.named_parameters()}
+
+
+def test_fsdp_validates_and_tests_from_a_sharded_checkpoint_on_s3(tmp_path, s3, monkeypatch):
+    """``FSDPStrategy``'s sharded load outside fit (``validate``/``test`` with ``ckpt_path``) loads the model only;
+    from S3 the plugin does that with DCP's fsspec reader. A fresh, differently seeded model validated and then tested
+    from the checkpoint of a one-epoch fit holds that fit's final parameters. (Over one rank FSDP shards nothing;
+    test_sharded.py's two-rank runs load real shards, while fitting.)"""
+    directory = s3.url(f"fsdp-{time.monotonic_ns()}")
+    checkpoint = ModelCheckpoint(dirpath=directory, every_n_train_steps=4)
+    fsdp = CpuFSDPStrategy(state_dict_type="sharded")
+    fitted = _one_process_fit(
+        tmp_path / "fit", monkeypatch, DataStatesIO(storage_options=s3.storage_options), checkpoint, fsdp, _Fsdp1BNModel
+    )
+    expected = _parameters(fitted.lightning_module)
+    for run in ("validate", "test"):
+        monkeypatch.setenv("MASTER_PORT", str(free_port()))
+        torch.manual_seed(1)
+        model = _Fsdp1BNModel(width=32)
+        model.test_step = model.validation_step  # type: ignore[method-assign]
+        trainer = make_trainer(
+            str(tmp_path / run),
+            DataStatesIO(storage_options=s3.storage_options),
+            strategy=CpuFSDPStrategy(state_dict_type="sharded"),
+            devices=1,
+        )
+        try:
+            getattr(trainer, run)(model, make_loader(n=16), ckpt_path=f"{directory}/epoch=0-step=4.ckpt")
+        finally:
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+        assert_bit_equal(_parameters(model), expected, f"parameters after {run}")
 
 
 def test_a_url_that_holds_no_sharded_checkpoint_fails_naming_it(tmp_path, s3, monkeypatch):
