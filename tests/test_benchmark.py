@@ -10,6 +10,7 @@ by the order of events it must produce: every save call returns after its checkp
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import subprocess
@@ -263,6 +264,7 @@ def test_sharded_benchmark_runs_every_method_over_two_ranks(tmp_path: Any) -> No
         arena = row["arena"]
         assert (arena is not None) == (method == "datastates")
         assert arena is None or 0 < arena["peak_used_bytes"] <= arena["size_bytes"]
+        assert arena is None or 0 < arena["resident_bytes"] <= arena["size_bytes"]
     report = (tmp_path / "sharded-benchmark.md").read_text()
     assert "| datastates |" in report and "DataStatesIO's training thread waited" in report
     assert "Its host arena:" in report and "| CPU s / ckpt |" in report
@@ -274,3 +276,20 @@ def test_sharded_cpu_per_checkpoint_is_the_largest_rank_excess_over_none() -> No
     none = {"cpu_s": [10.0, 11.0], "checkpoints": 0}
     row = {"cpu_s": [13.0, 12.0], "checkpoints": 2}
     assert cpu_per_checkpoint_s(row, none) == pytest.approx(1.5)  # rank 0: 3 s beyond none over 2 checkpoints
+
+
+def test_resident_bytes_counts_the_pages_written_and_no_others() -> None:
+    """The arena's resident memory in the sharded benchmark: of a fresh mapping, only the pages written count."""
+    import mmap
+
+    page = mmap.PAGESIZE
+    memory = mmap.mmap(-1, 16 * page)
+    view = (ctypes.c_ubyte * (16 * page)).from_buffer(memory)
+    address = ctypes.addressof(view)
+    assert worker.resident_bytes(address, 16 * page) == 0
+    for index in (1, 2, 9):
+        memory[index * page + 7] = 1
+    assert worker.resident_bytes(address, 16 * page) == 3 * page
+    assert worker.resident_bytes(address + page + 100, 2 * page) == 2 * page  # partial pages count whole
+    del view
+    memory.close()

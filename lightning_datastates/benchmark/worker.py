@@ -10,6 +10,7 @@ the measurements as JSON to ``PATH``. Times in the result are seconds since ``fi
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import logging
@@ -149,6 +150,25 @@ def peak_rss_bytes() -> int:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux, bytes on macOS: a fallback
+
+
+def resident_bytes(address: int, nbytes: int) -> int | None:
+    """How many bytes of the memory range ``[address, address + nbytes)`` are resident, whole pages counted
+    (``mincore``, Linux and other Unixes); None where that cannot be asked. Pages of anonymous memory stay resident
+    once written until the memory is freed (no swap), so for a buffer that frees nothing this is also its peak."""
+    try:
+        mincore = ctypes.CDLL(None, use_errno=True).mincore
+    except (OSError, AttributeError):
+        return None
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = address - address % page
+    length = address + nbytes - start
+    pages = (length + page - 1) // page
+    vector = (ctypes.c_ubyte * pages)()
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    if mincore(start, length, vector) != 0:
+        return None
+    return sum(entry & 1 for entry in vector) * page
 
 
 def process_cpu_s() -> float:
