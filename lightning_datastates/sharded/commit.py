@@ -8,10 +8,10 @@ One :class:`ShardedCommitter` per rank runs a thread that takes this rank's save
 2. waits until the engine committed (or failed) this rank's shard file;
 3. exchanges the outcome and the name of the file it wrote with every rank (``all_gather_object``);
 4. on rank 0, if every rank succeeded: reads the names of the files of the checkpoint the directory holds (if any),
-   removes its ``meta.pt`` (from here the directory is not a checkpoint, for a few milliseconds instead of the whole
-   flush), writes the new ``.metadata`` and then ``meta.pt`` (each atomically), and removes the earlier files and
-   this save's files the metadata does not refer to; if a rank failed, removes this save's files instead (the
-   directory keeps what it held before);
+   switches the directory to the new checkpoint through a commit record (:mod:`~lightning_datastates.sharded.publish`:
+   no crash or storage error leaves it without a whole checkpoint, the earlier one or this one), and removes the
+   earlier files and this save's files the metadata does not refer to; if a rank failed, removes this save's files
+   instead (the directory keeps what it held before);
 5. shares rank 0's result (``broadcast_object_list``), so that each rank knows whether the checkpoint exists.
 
 Every collective runs on a gloo group of its own, made at setup: a collective on the training process group from a
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import queue
 import threading
 from collections import deque
@@ -48,15 +47,19 @@ from lightning_datastates.sharded.dcp_writer import (
     join_path,
     plan_checkpoint,
 )
+from lightning_datastates.sharded.publish import (
+    COMMIT_RECORD_NAME,
+    LIGHTNING_META_NAME,
+    files_named,
+    switch_to_record,
+    write_commit_record,
+)
 from lightning_datastates.snapshot.job import JobState, SnapshotStats
 from lightning_datastates.storage.base import StorageWriter
 from lightning_datastates.storage.local import is_local_path, local_path
 
 log = logging.getLogger("lightning_datastates")
 
-#: Lightning's file in a sharded checkpoint directory (``lightning.fabric.utilities.load._METADATA_FILENAME``): it
-#: makes the directory a checkpoint for Lightning's load.
-LIGHTNING_META_NAME = "meta.pt"
 #: How an outcome that is a skip, not a failure, begins.
 _SKIPPED = "skipped: "
 #: How long a rank waits for the others in an exchange before the checkpoint counts as failed.
@@ -211,10 +214,14 @@ class ShardedCommitter:
         failed = [(rank, error) for rank, (error, _) in enumerate(outcomes) if error is not None]
         files = tuple(sorted(name for _, name in outcomes if name is not None))
         verdict: list[str | None] = [None]
+        settled = True
         if self._rank == 0:
-            verdict[0] = self._discard(save, files, failed) if failed else self._publish(save, planned, files)
-        if save.marker is not None:
-            self._remove_files(self._writer_for(save.path), save.path, [_name(save.marker)])  # settled
+            if failed:
+                verdict[0] = self._discard(save, files, failed)
+            else:
+                verdict[0], settled = self._publish(save, planned, files)
+        if save.marker is not None and settled:
+            self._remove_files(self._writer_for(save.path), save.path, [_name(save.marker)])
         dist.broadcast_object_list(verdict, src=0, group=self._group)
         if verdict[0] is not None:
             # A checkpoint skipped by choice (on_arena_full="skip") is no failure: it is logged, as a skipped file is.
@@ -226,23 +233,34 @@ class ShardedCommitter:
                 log.warning("lightning_datastates: skipped sharded checkpoint %s: %s", save.path, verdict[0])
             self._fail(None if report is None else CheckpointFlushError(report, save.path))
 
-    def _publish(self, save: ShardedSave, planned: CheckpointPlan | None, files: tuple[str, ...]) -> str | None:
-        """Rank 0, every shard durable: make the directory this checkpoint. The error text if that failed."""
+    def _publish(
+        self, save: ShardedSave, planned: CheckpointPlan | None, files: tuple[str, ...]
+    ) -> tuple[str | None, bool]:
+        """Rank 0, every shard durable: make the directory this checkpoint. The error text if that failed (None if
+        not), and whether the save is settled (its marker may go): not when the switch stopped half-way, which the
+        next run's cleanup of the marked directory completes or undoes (sharded/publish.py)."""
         assert planned is not None and save.meta_bytes is not None
         writer = self._writer_for(save.path)
-        metadata_path = join_path(save.path, DCP_METADATA_NAME)
         try:
-            earlier = _files_of(writer, metadata_path)
-            writer.remove(join_path(save.path, LIGHTNING_META_NAME))  # uncommit the checkpoint held before, if any
-            write_file(writer, metadata_path, planned.metadata_bytes)
-            write_file(writer, join_path(save.path, LIGHTNING_META_NAME), save.meta_bytes)
+            earlier = _files_of(writer, join_path(save.path, DCP_METADATA_NAME))
+            write_commit_record(writer, save.path, planned.metadata_bytes, save.meta_bytes)
         except Exception as exc:  # noqa: BLE001 - reported to every rank
+            # The directory still holds what it held: this save's files go.
             log.error("lightning_datastates: committing %s failed: %r", save.path, exc)
-            self._remove_files(writer, save.path, files)
-            return f"rank 0 could not write its metadata: {exc!r}"
+            self._remove_files(writer, save.path, [*files, COMMIT_RECORD_NAME])
+            return f"rank 0 could not write its metadata: {exc!r}", True
+        try:
+            switch_to_record(writer, save.path, planned.metadata_bytes, save.meta_bytes)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank
+            log.error("lightning_datastates: committing %s failed half-way: %r", save.path, exc)
+            return (
+                f"rank 0 could not write its metadata: {exc!r}; the directory and its commit record are kept, and the "
+                "next run's cleanup leaves it a whole checkpoint (the one it held, or this one)",
+                False,
+            )
         # The files of the checkpoint replaced, and a file of this save that DCP chose none of the items of.
         self._remove_files(writer, save.path, sorted((set(earlier) | set(files)) - set(planned.file_names)))
-        return None
+        return None, True
 
     def _discard(self, save: ShardedSave, files: tuple[str, ...], failed: list[tuple[int, str]]) -> str:
         """Rank 0, a rank failed: remove this save's files; the directory keeps what it held. The error text."""
@@ -277,23 +295,11 @@ class ShardedCommitter:
             self._failure_count += 1
 
 
-def write_file(writer: StorageWriter, path: str, data: bytes) -> None:
-    """Write a small file through ``writer``: durable and visible at once, or not at all."""
-    session = writer.begin(path, len(data))
-    try:
-        session.write_range(0, memoryview(data))
-        session.complete()
-    except BaseException:
-        session.abort()
-        raise
-
-
 def _files_of(writer: StorageWriter, metadata_path: str) -> list[str]:
     """The files the checkpoint of ``metadata_path`` (DCP's ``.metadata``) refers to; none if there is no such file."""
     if not writer.exists(metadata_path):
         return []
-    metadata = pickle.loads(bytes(writer.read_bytes(metadata_path)))
-    return sorted({info.relative_path for info in metadata.storage_data.values()})
+    return files_named(bytes(writer.read_bytes(metadata_path)))
 
 
 def _name(path: str) -> str:

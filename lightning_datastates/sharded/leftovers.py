@@ -1,25 +1,27 @@
-"""What a sharded save that never committed leaves on storage, and how the next run removes it.
+"""What a sharded save that never committed leaves on storage, and how the next run removes or completes it.
 
 While a sharded save is in flight, rank 0 keeps a marker in its directory, named like every leftover of this package
 (``.commit.<host>.<pid>.<token>.datastates-pending``, :mod:`~lightning_datastates.storage.leftovers`), and removes
 it once the checkpoint is committed or discarded. It is written before any other rank learns the directory
 (:class:`~lightning_datastates.sharded.saver.ShardedSaver`), so that every file of the save lands after it. A
 directory with a marker whose writer is gone (by the same rule as temporary files: a dead process of this host at
-once, another host's once ``stale_after_s`` old) holds a save that died in flight: without ``meta.pt`` it is no
-checkpoint at all and is removed whole; with one, it still holds the checkpoint committed there before, and only the
-files that checkpoint's ``.metadata`` does not name are removed. The open uploads the dead ranks left in it go first
-(S3). Every backend that lists directories is cleaned this way (local, S3, other fsspec:
+once, another host's once ``stale_after_s`` old) holds a save that died in flight. Rank 0 switches a directory to a
+new checkpoint through a commit record (:mod:`~lightning_datastates.sharded.publish`), so the directory holds one
+whole checkpoint or can be completed into one: with ``meta.pt``, the checkpoint ``.metadata`` describes (the one held
+before, or the new one), and only the files it does not name are removed; without ``meta.pt`` but with the record, the
+switch died half-way and is completed from the record, then cleaned the same way; with neither, it is no checkpoint
+at all and is removed whole. The open uploads the dead ranks left in it go first (S3). Every backend that lists
+directories is cleaned this way (local, S3, other fsspec:
 :meth:`~lightning_datastates.storage.base.StorageWriter.list_directory`).
 """
 
 from __future__ import annotations
 
 import logging
-import pickle
 import time
 
-from lightning_datastates.sharded.commit import LIGHTNING_META_NAME, write_file
 from lightning_datastates.sharded.dcp_writer import DCP_METADATA_NAME, join_path
+from lightning_datastates.sharded.publish import LIGHTNING_META_NAME, complete_or_keep, files_named, write_file
 from lightning_datastates.storage.base import DirectoryEntry, StorageWriter
 from lightning_datastates.storage.leftovers import leftover_name, parse_leftover_name, writer_gone
 
@@ -52,25 +54,34 @@ def clean_sharded_leftovers(writer: StorageWriter, parent: str, max_age_s: float
         if not all(writer_gone(m.owner, ages[n], max_age_s, tracks_own_writes=False) for n, m in markers.items()):
             continue  # a live process still saves here
         writer.clean_stale(directory, max_age_s)  # the dead ranks' open uploads (S3), temporary files
-        removed += _remove_uncommitted(writer, directory, sorted(names))
+        removed += _settle(writer, directory, set(names))
     if removed:
         log.info("lightning_datastates: removed %d leftover(s) of sharded saves that died in %s", len(removed), parent)
     return removed
 
 
-def _remove_uncommitted(writer: StorageWriter, directory: str, names: list[str]) -> list[str]:
+def _settle(writer: StorageWriter, directory: str, names: set[str]) -> list[str]:
+    """Leave the directory of a dead save one whole checkpoint, or remove it (see the module docstring); the paths
+    removed."""
     if LIGHTNING_META_NAME not in names:
-        writer.remove(directory)
-        return [directory]
+        try:
+            completed = complete_or_keep(writer, directory, names)
+        except Exception as exc:  # noqa: BLE001 - keep everything rather than guess
+            log.warning("lightning_datastates: cannot complete the commit in %s (%r); kept as it is", directory, exc)
+            return []
+        if not completed:
+            writer.remove(directory)
+            return [directory]
+        log.info("lightning_datastates: completed the commit of %s, which a dead run left half-way", directory)
+        names = {entry.name for entry in writer.list_directory(directory)}
     try:
-        metadata = pickle.loads(bytes(writer.read_bytes(join_path(directory, DCP_METADATA_NAME))))
-        keep = {info.relative_path for info in metadata.storage_data.values()}
+        keep = set(files_named(bytes(writer.read_bytes(join_path(directory, DCP_METADATA_NAME)))))
     except Exception as exc:  # noqa: BLE001 - keep everything rather than guess
         log.warning("lightning_datastates: cannot read %s (%r); leftovers there kept", directory, exc)
         return []
     keep |= {DCP_METADATA_NAME, LIGHTNING_META_NAME}
     removed = []
-    for name in names:
+    for name in sorted(names):
         if name not in keep:
             writer.remove(join_path(directory, name))
             removed.append(join_path(directory, name))

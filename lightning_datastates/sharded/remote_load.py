@@ -20,8 +20,8 @@ import torch
 from lightning.pytorch.strategies import FSDPStrategy
 
 from lightning_datastates.compat.torch import dcp_fsspec_reader
-from lightning_datastates.sharded.commit import LIGHTNING_META_NAME
 from lightning_datastates.sharded.dcp_writer import join_path
+from lightning_datastates.sharded.publish import LIGHTNING_META_NAME
 from lightning_datastates.storage import fsspec_storage_options
 from lightning_datastates.storage.base import StorageWriter
 

@@ -1,0 +1,211 @@
+"""Switching a sharded checkpoint directory to a new checkpoint (sharded/publish.py): a process killed at any step of
+the switch, or a storage error there, leaves the directory one whole checkpoint (the one it held, or the new one) once
+the next run's cleanup has been through it; never a mix, never neither."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from lightning_datastates.sharded.commit import ShardedCommitter, ShardedSave
+from lightning_datastates.sharded.dcp_writer import DCP_METADATA_NAME, plan_checkpoint
+from lightning_datastates.sharded.layout import ArchivePlans
+from lightning_datastates.sharded.leftovers import clean_sharded_leftovers, mark_pending
+from lightning_datastates.sharded.publish import (
+    COMMIT_RECORD_NAME,
+    LIGHTNING_META_NAME,
+    decode_record,
+    encode_record,
+    switch_to_record,
+    write_commit_record,
+)
+from lightning_datastates.sharded.staging import stage_shard
+from lightning_datastates.storage import LocalWriter
+from tests.conftest import assert_bit_equal
+from tests.test_sharded_parts import _write
+
+#: The storage operations of a commit, in order: the record written, ``meta.pt`` removed, ``.metadata`` and
+#: ``meta.pt`` written, the record removed.
+SWITCH_STEPS = 5
+
+
+def _state(step: int) -> dict:
+    return {"model": {"w": torch.full((16, 8), float(step))}}
+
+
+def _saved(directory: str, step: int, plans: ArchivePlans) -> SimpleNamespace:
+    """This step's shard file written into ``directory`` (not committed); what its commit needs."""
+    staged, shard = stage_shard(_state(step), 0, plans)
+    assert shard is not None
+    _write(shard, os.path.join(directory, staged.file_name))
+    planned = plan_checkpoint(staged, directory, None)
+    assert planned is not None
+    meta = io.BytesIO()
+    torch.save({"global_step": step}, meta)
+    return SimpleNamespace(staged=staged, planned=planned, meta_bytes=meta.getvalue(), file=staged.file_name)
+
+
+def _committed(directory: str, step: int, plans: ArchivePlans) -> SimpleNamespace:
+    saved = _saved(directory, step, plans)
+    writer = LocalWriter()
+    write_commit_record(writer, directory, saved.planned.metadata_bytes, saved.meta_bytes)
+    switch_to_record(writer, directory, saved.planned.metadata_bytes, saved.meta_bytes)
+    return saved
+
+
+def _checkpoint_step(directory: str) -> int:
+    """The step of the whole checkpoint ``directory`` holds: its ``meta.pt`` and its tensors agree, and it holds
+    nothing else."""
+    meta = torch.load(os.path.join(directory, LIGHTNING_META_NAME), weights_only=True)
+    step = meta["global_step"]
+    target = {"model": {"w": torch.zeros(16, 8)}}
+    dcp.load(target, checkpoint_id=directory, no_dist=True)
+    assert_bit_equal(target, _state(step), f"tensors of the checkpoint of step {step}")
+    metadata = dcp.FileSystemReader(directory).read_metadata()
+    named = {info.relative_path for info in metadata.storage_data.values()}
+    assert set(os.listdir(directory)) == named | {DCP_METADATA_NAME, LIGHTNING_META_NAME}
+    return step
+
+
+class _DyingWriter(LocalWriter):
+    """Kills its own process (SIGKILL) just before its ``die_before``-th write or removal."""
+
+    def __init__(self, die_before: int) -> None:
+        super().__init__()
+        self._operations = 0
+        self._die_before = die_before
+
+    def _count(self) -> None:
+        if self._operations == self._die_before:
+            os.kill(os.getpid(), signal.SIGKILL)
+        self._operations += 1
+
+    def begin(self, path, total_bytes):  # type: ignore[no-untyped-def]
+        self._count()
+        return super().begin(path, total_bytes)
+
+    def remove(self, path: str) -> None:
+        self._count()
+        super().remove(path)
+
+
+def test_a_commit_record_holds_both_files_and_refuses_what_is_not_one():
+    assert decode_record(encode_record(b"metadata", b"meta")) == (b"metadata", b"meta")
+    assert decode_record(encode_record(b"", b"")) == (b"", b"")
+    record = encode_record(b"metadata", b"meta")
+    for broken in (b"", b"something else entirely", record[:12]):
+        with pytest.raises(ValueError):
+            decode_record(broken)
+
+
+@pytest.mark.parametrize("killed_before", range(SWITCH_STEPS + 1))
+def test_a_process_killed_during_the_switch_leaves_one_whole_checkpoint(tmp_path, killed_before):
+    """Step 1 committed in ``last.ckpt``; the commit of step 2 into it is killed before each of its storage operations
+    in turn (a forked process, SIGKILL; the last case dies after the switch, before its leftovers were removed). The
+    next run's cleanup leaves step 1 where the kill came before ``meta.pt`` was removed, step 2 from then on."""
+    directory = tmp_path / "last.ckpt"
+    directory.mkdir()
+    plans = ArchivePlans(None)
+    _committed(str(directory), 1, plans)
+    second = _saved(str(directory), 2, plans)
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child process
+        try:
+            mark_pending(LocalWriter(), str(directory))  # as rank 0 does before the save's files are written
+            writer = _DyingWriter(killed_before)
+            write_commit_record(writer, str(directory), second.planned.metadata_bytes, second.meta_bytes)
+            switch_to_record(writer, str(directory), second.planned.metadata_bytes, second.meta_bytes)
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(child, 0)
+    assert os.WIFSIGNALED(status) == (killed_before < SWITCH_STEPS)
+    clean_sharded_leftovers(LocalWriter(), str(tmp_path), max_age_s=3600)
+    assert _checkpoint_step(str(directory)) == (1 if killed_before < 2 else 2)
+
+
+class _FailingWriter(LocalWriter):
+    """Raises ``OSError`` at its ``fail_at``-th write or removal (storage refusing a request)."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self._operations = 0
+        self._fail_at = fail_at
+
+    def _count(self) -> None:
+        self._operations += 1
+        if self._operations - 1 == self._fail_at:
+            raise OSError(f"injected failure of storage operation {self._fail_at}")
+
+    def begin(self, path, total_bytes):  # type: ignore[no-untyped-def]
+        self._count()
+        return super().begin(path, total_bytes)
+
+    def remove(self, path: str) -> None:
+        self._count()
+        super().remove(path)
+
+
+@pytest.mark.parametrize("fails_at", range(SWITCH_STEPS))
+def test_a_storage_error_during_the_commit_never_loses_the_checkpoint_held(tmp_path, fails_at):
+    """Rank 0's commit (ShardedCommitter._publish) when storage refuses one of its operations: a failure before the
+    record is durable removes this save's files at once (the directory keeps step 1, settled); one after it keeps the
+    directory, the record and the marker, and the next run's cleanup leaves it a whole checkpoint: step 1 if
+    ``meta.pt`` was still there, step 2 otherwise."""
+    directory = tmp_path / "last.ckpt"
+    directory.mkdir()
+    plans = ArchivePlans(None)
+    first = _committed(str(directory), 1, plans)
+    second = _saved(str(directory), 2, plans)
+    writer = _FailingWriter(fails_at)
+    committer = ShardedCommitter(None, 0, lambda path: None, lambda path: writer)
+    marker = mark_pending(LocalWriter(), str(directory))
+    save = ShardedSave(str(directory), None, second.staged, second.meta_bytes, marker)
+    error, settled = committer._publish(save, second.planned, (second.file,))
+    assert error is not None and f"injected failure of storage operation {fails_at}" in error
+    assert settled == (fails_at == 0)
+    if settled:  # nothing of this save is left; the earlier checkpoint is whole as it was
+        assert sorted(os.listdir(directory)) == sorted(
+            [DCP_METADATA_NAME, LIGHTNING_META_NAME, first.file, _name(marker)]
+        )
+        os.remove(marker)
+        assert _checkpoint_step(str(directory)) == 1
+        return
+    os.rename(marker, marker.replace(f".{os.getpid()}.", f".{_dead_pid()}."))  # as the next run finds it
+    clean_sharded_leftovers(LocalWriter(), str(tmp_path), max_age_s=3600)
+    assert _checkpoint_step(str(directory)) == (1 if fails_at < 2 else 2)
+
+
+def test_a_commit_record_naming_a_missing_shard_file_is_kept_as_it_is(tmp_path):
+    """A record whose shard files are not all there was not written by a commit of this package as it should be:
+    the cleanup changes nothing rather than make a checkpoint of it."""
+    directory = tmp_path / "last.ckpt"
+    directory.mkdir()
+    second = _saved(str(directory), 2, ArchivePlans(None))
+    write_commit_record(LocalWriter(), str(directory), second.planned.metadata_bytes, second.meta_bytes)
+    os.remove(directory / second.file)
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child process: its marker, then gone
+        mark_pending(LocalWriter(), str(directory))
+        os._exit(0)
+    os.waitpid(child, 0)
+    before = sorted(os.listdir(directory))
+    assert clean_sharded_leftovers(LocalWriter(), str(tmp_path), max_age_s=3600) == []
+    assert sorted(os.listdir(directory)) == before and COMMIT_RECORD_NAME in before
+
+
+def _name(path: str) -> str:
+    return os.path.basename(path)
+
+
+def _dead_pid() -> int:
+    child = os.fork()
+    if child == 0:  # pragma: no cover
+        os._exit(0)
+    os.waitpid(child, 0)
+    return child
