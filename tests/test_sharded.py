@@ -15,10 +15,13 @@ import pickle
 import signal
 import time
 
+import lightning as L
 import pytest
 import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from lightning_datastates import DataStatesIO
 from tests.conftest import assert_bit_equal, temp_files
 from tests.s3_server import (  # noqa: F401 - the *_fixture imports register the fixtures
     free_port,
@@ -26,7 +29,7 @@ from tests.s3_server import (  # noqa: F401 - the *_fixture imports register the
     s3_fixture,
 )
 from tests.script_support import launch, run_to_completion
-from tests.sharded_script import TIED
+from tests.sharded_script import TIED, ShardedMLP, loader, local_state
 from tests.tensor_parallel_script import HSDP_REPLICATED, REPLICATED
 
 #: A sharded run starts slowly on a loaded 2-core machine; this only bounds a hang.
@@ -304,6 +307,38 @@ def test_resume_from_a_sharded_checkpoint_reproduces_the_uninterrupted_run(tmp_p
     _run(resumed, "--world", "2", "--epochs", "1")
     _run(resumed, "--world", "2", "--epochs", "2", "--resume", "last.ckpt")  # Lightning's own sharded load
     _assert_same_final_state(resumed, uninterrupted)
+
+
+@pytest.mark.slow
+def test_lightning_alone_loads_a_two_rank_checkpoint_onto_one_rank(two_rank_run, monkeypatch):
+    """The plugin's ``last.ckpt`` of 2 ranks, resumed by a Trainer without the plugin on 1 rank: Lightning's own
+    sharded load, DCP resharding every tensor onto the one rank, restores the model and the optimizer state as they
+    were at that save call (the run had ended: no step follows the load)."""
+    last = two_rank_run / "ckpt" / "last.ckpt"
+    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):  # restored after the test
+        monkeypatch.setenv(name, "0")
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=ModelParallelStrategy(),
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    assert not isinstance(trainer.strategy.checkpoint_io, DataStatesIO)
+    try:
+        trainer.fit(ShardedMLP(), loader(), ckpt_path=str(last))
+        restored = local_state(trainer._checkpoint_connector.dump_checkpoint())
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert trainer.global_step == _step_of(last)
+    assert_bit_equal(dict(sorted(restored.items())), _expected(two_rank_run, _step_of(last), 2), "restored on 1 rank")
 
 
 @pytest.mark.slow
