@@ -223,6 +223,27 @@ def test_a_run_resumes_from_a_sharded_checkpoint_at_a_url(tmp_path, s3, monkeypa
     assert_bit_equal(_final_weights(resumed), _final_weights(fit("uninterrupted", 2)), "after resume")
 
 
+def test_fit_with_ckpt_path_last_resumes_from_the_sharded_last_checkpoint(tmp_path, monkeypatch):
+    """``fit(ckpt_path="last")`` finds the sharded ``last.ckpt`` directory the plugin saved (Lightning lists the
+    ModelCheckpoint's directory) and resumes from it: the weights of an uninterrupted run. (Not on S3: Lightning
+    2.6 drops the protocol of what it lists there, Lightning-AI/pytorch-lightning#18261, see README.)"""
+    directory = str(tmp_path / "ckpt")
+
+    def fit(name: str, max_epochs: int, ckpt_path: str | None = None, into: str = directory) -> L.Trainer:
+        checkpoint = ModelCheckpoint(dirpath=into, every_n_train_steps=4, save_last=True)
+        plugin = DataStatesIO()
+        return _one_process_fit(
+            tmp_path / name, monkeypatch, plugin, checkpoint, None, _ShardedBNModel, max_epochs, ckpt_path
+        )
+
+    fit("first", 1)
+    resumed = fit("resumed", 2, "last")
+    assert resumed.ckpt_path == f"{directory}/last.ckpt"  # not a fresh start, which would end with the same weights
+    assert resumed.global_step == 8
+    uninterrupted = fit("uninterrupted", 2, into=f"{directory}-uninterrupted")
+    assert_bit_equal(_final_weights(resumed), _final_weights(uninterrupted), "after resume")
+
+
 class _Fsdp1BNModel(BNModel):
     """Its layers wrapped by FSDP1 on the CPU (named as FSDP's device: the strategy passes none on a CPU machine)."""
 
