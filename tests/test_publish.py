@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import os
 import signal
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -73,18 +74,19 @@ def _checkpoint_step(directory: str) -> int:
     return step
 
 
-class _DyingWriter(LocalWriter):
-    """Kills its own process (SIGKILL) just before its ``die_before``-th write or removal."""
+class _FaultyWriter(LocalWriter):
+    """Runs ``fault`` just before its ``at``-th write or removal (counted from 0): a kill, or storage refusing it."""
 
-    def __init__(self, die_before: int) -> None:
+    def __init__(self, at: int, fault: Callable[[int], None]) -> None:
         super().__init__()
         self._operations = 0
-        self._die_before = die_before
+        self._at = at
+        self._fault = fault
 
     def _count(self) -> None:
-        if self._operations == self._die_before:
-            os.kill(os.getpid(), signal.SIGKILL)
         self._operations += 1
+        if self._operations - 1 == self._at:
+            self._fault(self._at)
 
     def begin(self, path, total_bytes):  # type: ignore[no-untyped-def]
         self._count()
@@ -93,6 +95,14 @@ class _DyingWriter(LocalWriter):
     def remove(self, path: str) -> None:
         self._count()
         super().remove(path)
+
+
+def _die(_: int) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _refuse(operation: int) -> None:
+    raise OSError(f"injected failure of storage operation {operation}")
 
 
 def test_a_commit_record_holds_both_files_and_refuses_what_is_not_one():
@@ -118,7 +128,7 @@ def test_a_process_killed_during_the_switch_leaves_one_whole_checkpoint(tmp_path
     if child == 0:  # pragma: no cover - the child process
         try:
             mark_pending(LocalWriter(), str(directory))  # as rank 0 does before the save's files are written
-            writer = _DyingWriter(killed_before)
+            writer = _FaultyWriter(killed_before, _die)
             write_commit_record(writer, str(directory), second.planned.metadata_bytes, second.meta_bytes)
             switch_to_record(writer, str(directory), second.planned.metadata_bytes, second.meta_bytes)
         finally:
@@ -127,28 +137,6 @@ def test_a_process_killed_during_the_switch_leaves_one_whole_checkpoint(tmp_path
     assert os.WIFSIGNALED(status) == (killed_before < SWITCH_STEPS)
     clean_sharded_leftovers(LocalWriter(), str(tmp_path), max_age_s=3600)
     assert _checkpoint_step(str(directory)) == (1 if killed_before < 2 else 2)
-
-
-class _FailingWriter(LocalWriter):
-    """Raises ``OSError`` at its ``fail_at``-th write or removal (storage refusing a request)."""
-
-    def __init__(self, fail_at: int) -> None:
-        super().__init__()
-        self._operations = 0
-        self._fail_at = fail_at
-
-    def _count(self) -> None:
-        self._operations += 1
-        if self._operations - 1 == self._fail_at:
-            raise OSError(f"injected failure of storage operation {self._fail_at}")
-
-    def begin(self, path, total_bytes):  # type: ignore[no-untyped-def]
-        self._count()
-        return super().begin(path, total_bytes)
-
-    def remove(self, path: str) -> None:
-        self._count()
-        super().remove(path)
 
 
 @pytest.mark.parametrize("fails_at", range(SWITCH_STEPS))
@@ -162,7 +150,7 @@ def test_a_storage_error_during_the_commit_never_loses_the_checkpoint_held(tmp_p
     plans = ArchivePlans(None)
     first = _committed(str(directory), 1, plans)
     second = _saved(str(directory), 2, plans)
-    writer = _FailingWriter(fails_at)
+    writer = _FaultyWriter(fails_at, _refuse)
     committer = ShardedCommitter(None, 0, lambda path: None, lambda path: writer)
     marker = mark_pending(LocalWriter(), str(directory))
     save = ShardedSave(str(directory), None, second.staged, second.meta_bytes, marker)
