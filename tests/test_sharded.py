@@ -386,13 +386,19 @@ def test_a_rank_killed_mid_flush_leaves_no_checkpoint_and_the_next_run_cleans_up
     committed = [d for d in checkpoint_dir.iterdir() if (d / "meta.pt").is_file()]
     uncommitted = [d for d in checkpoint_dir.iterdir() if not (d / "meta.pt").is_file()]
     assert uncommitted, "the held save should have left an uncommitted directory"
+    for directory in uncommitted:  # nothing DCP would take for a checkpoint either
+        assert not (directory / ".metadata").exists(), sorted(os.listdir(directory))
     for directory in committed:  # the earlier checkpoints are whole
         dcp_to_torch_save(str(directory), str(tmp_path / "check.pt"))
     # The next run in the same directory removes the dead run's leftovers before its first save.
     _run(tmp_path / "next", "--world", "2", "--epochs", "1", "--ckpt-dir", str(checkpoint_dir))
     for directory in checkpoint_dir.iterdir():
         assert (directory / "meta.pt").is_file(), directory
-    assert not any(name.endswith(".datastates-pending") for _, _, names in os.walk(checkpoint_dir) for name in names)
+        # Each directory holds its checkpoint's files and nothing else: no marker, shard file or record of the dead run.
+        named = {
+            info.relative_path for info in pickle.loads((directory / ".metadata").read_bytes()).storage_data.values()
+        }
+        assert set(os.listdir(directory)) == named | {".metadata", "meta.pt"}, sorted(os.listdir(directory))
 
 
 @pytest.mark.slow
