@@ -109,7 +109,7 @@ def test_a_commit_record_holds_both_files_and_refuses_what_is_not_one():
     assert decode_record(encode_record(b"metadata", b"meta")) == (b"metadata", b"meta")
     assert decode_record(encode_record(b"", b"")) == (b"", b"")
     record = encode_record(b"metadata", b"meta")
-    for broken in (b"", b"something else entirely", record[:12]):
+    for broken in (b"", b"something else entirely", record[:12], record[: -len(b"meta") - 3]):
         with pytest.raises(ValueError):
             decode_record(broken)
 
@@ -167,6 +167,41 @@ def test_a_storage_error_during_the_commit_never_loses_the_checkpoint_held(tmp_p
     os.rename(marker, marker.replace(f".{os.getpid()}.", f".{_dead_pid()}."))  # as the next run finds it
     clean_sharded_leftovers(LocalWriter(), str(tmp_path), max_age_s=3600)
     assert _checkpoint_step(str(directory)) == (1 if fails_at < 2 else 2)
+
+
+@pytest.mark.parametrize("first_stops_at", [2, 3])  # meta.pt removed; .metadata or meta.pt not written
+@pytest.mark.parametrize("next_fails_at", [None, 0, 4])  # none; finishing the earlier switch; its own record
+def test_the_next_save_after_a_switch_stopped_half_way_finishes_it_first(tmp_path, first_stops_at, next_fails_at):
+    """The save of step 2 stops half-way (the directory holds no ``meta.pt``, only step 2's record); the next save of
+    the directory (step 3), in the same run, first finishes step 2's switch from its record and then commits itself.
+    If storage fails it again, nothing is removed, and the next run's cleanup still leaves a whole checkpoint."""
+    directory = tmp_path / "last.ckpt"
+    directory.mkdir()
+    plans = ArchivePlans(None)
+    _committed(str(directory), 1, plans)
+    second, third = _saved(str(directory), 2, plans), _saved(str(directory), 3, plans)
+    writers: list[LocalWriter] = [_FaultyWriter(first_stops_at, _refuse)]
+    committer = ShardedCommitter(None, 0, lambda path: None, lambda path: writers[0])
+    markers = [mark_pending(LocalWriter(), str(directory))]
+    save = ShardedSave(str(directory), None, second.staged, second.meta_bytes, markers[0])
+    assert committer._publish(save, second.planned, (second.file,))[1] is False
+    assert not (directory / LIGHTNING_META_NAME).exists()
+    writers[0] = LocalWriter() if next_fails_at is None else _FaultyWriter(next_fails_at, _refuse)
+    markers.append(mark_pending(LocalWriter(), str(directory)))
+    save = ShardedSave(str(directory), None, third.staged, third.meta_bytes, markers[1])
+    error, settled = committer._publish(save, third.planned, (third.file,))
+    # Settled unless finishing step 2's switch failed (then nothing may be removed); a failure of step 3's own record
+    # comes after step 2 was finished: step 3's files go, as from any whole checkpoint.
+    assert (error is None) == (next_fails_at is None) and settled == (next_fails_at != 0)
+    if settled:
+        os.remove(markers[1])  # as the committer does
+        step = torch.load(directory / LIGHTNING_META_NAME, weights_only=True)["global_step"]
+        assert step == (3 if next_fails_at is None else 2)  # whole in this run already
+    for marker in markers:  # as the next run finds them
+        if os.path.exists(marker):
+            os.rename(marker, marker.replace(f".{os.getpid()}.", f".{_dead_pid()}."))
+    clean_sharded_leftovers(LocalWriter(), str(tmp_path), max_age_s=3600)
+    assert _checkpoint_step(str(directory)) == (3 if next_fails_at is None else 2)
 
 
 def test_a_commit_record_naming_a_missing_shard_file_is_kept_as_it_is(tmp_path):

@@ -50,6 +50,7 @@ from lightning_datastates.sharded.dcp_writer import (
 from lightning_datastates.sharded.publish import (
     COMMIT_RECORD_NAME,
     LIGHTNING_META_NAME,
+    complete_or_keep,
     files_named,
     switch_to_record,
     write_commit_record,
@@ -118,6 +119,9 @@ class ShardedCommitter:
         self._failures: deque[CheckpointFlushError] = deque()
         self._failure_count = 0
         self._thread: threading.Thread | None = None
+        # Rank 0: directories whose switch to a new checkpoint stopped half-way (a storage error after the commit
+        # record was durable); the committer thread's own, finished at the next save of the directory.
+        self._half_way: set[str] = set()
 
     # ------------------------------------------------------------------ training thread
     def submit(self, save: ShardedSave) -> None:
@@ -241,23 +245,37 @@ class ShardedCommitter:
         next run's cleanup of the marked directory completes or undoes (sharded/publish.py)."""
         assert planned is not None and save.meta_bytes is not None
         writer = self._writer_for(save.path)
+        kept = (
+            f"; the directory and its commit record are kept, and the next run's cleanup leaves it a whole checkpoint "
+            f"(the one it held, or the one its record describes), as does the next save of {save.path} in this run"
+        )
         try:
+            if save.path in self._half_way:
+                # An earlier save's switch of this directory stopped half-way: finish it from its record first, so
+                # that this save starts from a whole checkpoint and never overwrites the only record of one.
+                names = {entry.name for entry in writer.list_directory(save.path)}
+                if LIGHTNING_META_NAME not in names and not complete_or_keep(writer, save.path, names):
+                    raise RuntimeError(f"{save.path} holds neither {LIGHTNING_META_NAME} nor a commit record")
+                self._half_way.discard(save.path)
             earlier = _files_of(writer, join_path(save.path, DCP_METADATA_NAME))
             write_commit_record(writer, save.path, planned.metadata_bytes, save.meta_bytes)
         except Exception as exc:  # noqa: BLE001 - reported to every rank
-            # The directory still holds what it held: this save's files go.
             log.error("lightning_datastates: committing %s failed: %r", save.path, exc)
+            if save.path in self._half_way:
+                # Its record may be the only way back to a whole checkpoint (or this save's, if the failed write
+                # landed, which then needs this save's files): nothing is removed.
+                return f"rank 0 could not write its metadata: {exc!r}{kept}", False
+            # The directory holds what it held, whole: this save's files and record go.
             self._remove_files(writer, save.path, [*files, COMMIT_RECORD_NAME])
+            if not writer.exists(join_path(save.path, LIGHTNING_META_NAME)):
+                remove_empty_local_directory(save.path)  # an empty directory named like a checkpoint trips a resume
             return f"rank 0 could not write its metadata: {exc!r}", True
         try:
             switch_to_record(writer, save.path, planned.metadata_bytes, save.meta_bytes)
         except Exception as exc:  # noqa: BLE001 - reported to every rank
             log.error("lightning_datastates: committing %s failed half-way: %r", save.path, exc)
-            return (
-                f"rank 0 could not write its metadata: {exc!r}; the directory and its commit record are kept, and the "
-                "next run's cleanup leaves it a whole checkpoint (the one it held, or this one)",
-                False,
-            )
+            self._half_way.add(save.path)
+            return f"rank 0 could not write its metadata: {exc!r}{kept}", False
         # The files of the checkpoint replaced, and a file of this save that DCP chose none of the items of.
         self._remove_files(writer, save.path, sorted((set(earlier) | set(files)) - set(planned.file_names)))
         return None, True

@@ -15,7 +15,8 @@ So rank 0 first writes both files' bytes into one **commit record** (:data:`COMM
 3. removes the record.
 
 Whatever stops this, the directory is in one of three states, and :func:`complete_or_keep` (the next run's cleanup of
-a save whose writer died, and nothing else) leaves each one a whole checkpoint:
+a save whose writer died, or rank 0's next save of a directory whose switch it left half-way on a storage error)
+leaves each one a whole checkpoint:
 
 - ``meta.pt`` present: the earlier checkpoint (step 1 not done) or the new one (step 2 done); ``.metadata`` is the
   one that goes with it. The caller keeps the files ``.metadata`` names and removes the rest (the record too);
@@ -24,9 +25,11 @@ a save whose writer died, and nothing else) leaves each one a whole checkpoint:
   run again from the record (each is idempotent);
 - neither: the save died before its commit; the directory never held a checkpoint and is removed whole.
 
-The record costs one small write and one removal per commit, on the committer thread. Call order: rank 0's committer
-thread (:class:`~lightning_datastates.sharded.commit.ShardedCommitter`), saves in order, or the cleanup of a directory
-whose writer is gone (:mod:`~lightning_datastates.sharded.leftovers`); never two at once in one directory.
+The record costs one small write and one removal per commit, on the committer thread. A later save never replaces or
+removes the record of a switch that stopped half-way before that switch is finished: it may be the only way back to a
+whole checkpoint. Call order: rank 0's committer thread (:class:`~lightning_datastates.sharded.commit.
+ShardedCommitter`), saves in order, or the cleanup of a directory whose writer is gone
+(:mod:`~lightning_datastates.sharded.leftovers`); never two at once in one directory.
 """
 
 from __future__ import annotations
@@ -103,9 +106,9 @@ def switch_to_record(writer: StorageWriter, directory: str, metadata_bytes: byte
 
 
 def complete_or_keep(writer: StorageWriter, directory: str, names: set[str]) -> bool:
-    """A directory of a save whose writer died, holding ``names`` and no ``meta.pt``: finish its switch from its
-    commit record. True if it is now a checkpoint; False if it holds no record (it never became one: the caller
-    removes it).
+    """A directory holding ``names`` and no ``meta.pt`` (a save whose writer died, or whose switch stopped on a storage
+    error): finish its switch from its commit record. True if it is now a checkpoint; False if it holds no record (it
+    never became one: the caller removes it).
 
     Raises:
         ValueError: the record is unreadable, or a shard file its ``.metadata`` names is missing; nothing is changed
