@@ -16,7 +16,8 @@ from typing import IO, TYPE_CHECKING, Any, Protocol, cast
 import torch
 from lightning.pytorch.plugins.io import CheckpointIO
 
-from lightning_datastates.compat.lightning import CheckpointPath, checkpoint_path_str
+from lightning_datastates.compat.last_checkpoint import resolve_last_at_urls
+from lightning_datastates.compat.lightning import CheckpointPath, checkpoint_path_str, unwrap_checkpoint_io
 from lightning_datastates.config import (
     USER_SETTINGS,
     ArenaFullPolicy,
@@ -138,6 +139,9 @@ class DataStatesIO(CheckpointIO):
         # One storage writer per protocol ("" for local paths), built on first use; on the training thread only.
         self._writers: dict[str, StorageWriter] = {}
         self._sharded: ShardedSaver | None = None  # set while a sharded strategy's saves go through the plugin
+        # Lightning resolves fit(ckpt_path="last") before any hook of ours runs, and cannot at a URL: fixed for the
+        # Trainers whose checkpoints go through a DataStatesIO (compat/last_checkpoint.py).
+        resolve_last_at_urls(_checkpoints_through_the_plugin)
 
     # ------------------------------------------------------------------ CheckpointIO
     def save_checkpoint(
@@ -403,3 +407,8 @@ class DataStatesIO(CheckpointIO):
 
 def _every_storage(storage: Any) -> bool:
     return True
+
+
+def _checkpoints_through_the_plugin(trainer: Any) -> bool:
+    """Whether ``trainer`` saves and loads through a :class:`DataStatesIO` (wrapped or not)."""
+    return isinstance(unwrap_checkpoint_io(trainer.strategy.checkpoint_io), DataStatesIO)

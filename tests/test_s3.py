@@ -14,6 +14,7 @@ import random
 import sys
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -505,3 +506,23 @@ def test_whole_parts_go_up_from_the_callers_memory_before_write_range_returns(mo
     session.complete()
     assert s3.read("run/zero-copy.ckpt") == expected
     assert s3.open_uploads() == []
+
+
+def test_fit_with_ckpt_path_last_resumes_from_last_ckpt_on_s3(s3, tmp_path):
+    """Lightning alone cannot: it lists the ModelCheckpoint's S3 directory without the protocol, finds no
+    ``last.ckpt`` on the local disk and trains from scratch (Lightning-AI/pytorch-lightning#18261). With the plugin the
+    run resumes from the newest ``last.ckpt``: its path, and the weights of an uninterrupted run."""
+
+    def fit(name: str, max_epochs: int, ckpt_path: str | None = None, into: str = "s3://bucket/last") -> Any:
+        checkpoint = ModelCheckpoint(dirpath=into, every_n_epochs=1, save_last=True, save_top_k=0)
+        torch.manual_seed(0)
+        trainer = make_trainer(str(tmp_path / name), DataStatesIO(), callbacks=[checkpoint], max_epochs=max_epochs)
+        trainer.fit(BNModel(), make_loader(), ckpt_path=ckpt_path)
+        return trainer
+
+    fit("first", 1)
+    resumed = fit("resumed", 2, "last")
+    assert resumed.ckpt_path == "s3://bucket/last/last.ckpt"  # not a fresh start, which would end with the same weights
+    assert resumed.global_step == 16
+    uninterrupted = fit("uninterrupted", 2, into="s3://bucket/uninterrupted")
+    assert_bit_equal(resumed.lightning_module.state_dict(), uninterrupted.lightning_module.state_dict(), "resumed")

@@ -223,15 +223,19 @@ def test_a_run_resumes_from_a_sharded_checkpoint_at_a_url(tmp_path, s3, monkeypa
     assert_bit_equal(_final_weights(resumed), _final_weights(fit("uninterrupted", 2)), "after resume")
 
 
-def test_fit_with_ckpt_path_last_resumes_from_the_sharded_last_checkpoint(tmp_path, monkeypatch):
-    """``fit(ckpt_path="last")`` finds the sharded ``last.ckpt`` directory the plugin saved (Lightning lists the
-    ModelCheckpoint's directory) and resumes from it: the weights of an uninterrupted run. (Not on S3: Lightning
-    2.6 drops the protocol of what it lists there, Lightning-AI/pytorch-lightning#18261, see README.)"""
-    directory = str(tmp_path / "ckpt")
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_fit_with_ckpt_path_last_resumes_from_the_sharded_last_checkpoint(tmp_path, s3, monkeypatch, where):
+    """``fit(ckpt_path="last")`` finds the sharded ``last.ckpt`` directory the plugin saved and resumes from it: the
+    weights of an uninterrupted run. On S3 Lightning alone finds nothing there (it drops the protocol of what it lists,
+    Lightning-AI/pytorch-lightning#18261, and a directory has no modification time): the plugin resolves it."""
+    if where == "s3":
+        options, directory = s3.storage_options, s3.url(f"last-{time.monotonic_ns()}")
+    else:
+        options, directory = None, str(tmp_path / "ckpt")
 
     def fit(name: str, max_epochs: int, ckpt_path: str | None = None, into: str = directory) -> L.Trainer:
         checkpoint = ModelCheckpoint(dirpath=into, every_n_train_steps=4, save_last=True)
-        plugin = DataStatesIO()
+        plugin = DataStatesIO(storage_options=options)
         return _one_process_fit(
             tmp_path / name, monkeypatch, plugin, checkpoint, None, _ShardedBNModel, max_epochs, ckpt_path
         )
