@@ -5,8 +5,8 @@
 Lightning relaunches this script for ranks 1..N-1. The model's linear layers are sharded with ``fully_shard`` over N
 ranks (two of them tied: one weight under two keys); ``ModelCheckpoint`` saves every step (top-2 by step, plus
 ``last.ckpt``) into ``OUT/ckpt``. At every save call each rank records, synchronously, its local shards of the model and
-optimizer state; after fit it writes them to ``OUT/ref/step<k>/rank<r>.pt`` (only saves whose call returned are
-recorded), and its final local shards to ``OUT/final/rank<r>.pt``.
+optimizer state and writes them to ``OUT/ref/step<k>/rank<r>.pt`` at once (a killed run leaves them too); after fit
+it writes its final local shards to ``OUT/final/rank<r>.pt``.
 
 Options: ``--resume NAME`` fits from ``NAME`` in the checkpoint directory (Lightning's sharded load); ``--fail-rank
 R``: rank R's shard writes fail from its 3rd checkpoint on; ``--hold-rank R``: rank R's writes of its 3rd checkpoint
@@ -120,13 +120,16 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class Recorder(Callback):
-    """The state at every save call (synchronous copies), written out after fit."""
+    """The state at every save call (synchronous copies), written to ``OUT/ref/step<k>/rank<r>.pt`` at once: a run
+    killed later leaves the records of its saves for the test to compare with."""
 
-    def __init__(self) -> None:
-        self.saved: dict[int, dict[str, torch.Tensor]] = {}
+    def __init__(self, out: str) -> None:
+        self.out = out
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        self.saved[trainer.global_step] = local_state(checkpoint)
+        directory = os.path.join(self.out, "ref", f"step{trainer.global_step}")
+        os.makedirs(directory, exist_ok=True)
+        torch.save(local_state(checkpoint), os.path.join(directory, f"rank{trainer.global_rank}.pt"))
 
 
 class StepGate(Callback):
@@ -295,7 +298,7 @@ def main() -> None:
     options = json.loads(args.storage_options) if args.storage_options else None
     # Weights and optimizer moments (8 KiB shards) are copied lazily; only the biases during the save call.
     plugin = DataStatesIO(storage_options=options, eager_copy_size="1KiB", on_flush_error=args.on_flush_error)
-    recorder = Recorder()
+    recorder = Recorder(args.out)
     checkpoint_dir = args.ckpt_dir or os.path.join(args.out, "ckpt")
     checkpoint = ModelCheckpoint(
         dirpath=checkpoint_dir,
@@ -327,9 +330,6 @@ def main() -> None:
         trainer.fit(ShardedMLP(fsdp1=args.fsdp1), loader(), ckpt_path=ckpt_path)
     except Exception as exc:  # noqa: BLE001 - reported to the test
         failure = exc
-    for step, state in recorder.saved.items():
-        os.makedirs(os.path.join(args.out, "ref", f"step{step}"), exist_ok=True)
-        torch.save(state, os.path.join(args.out, "ref", f"step{step}", f"rank{rank}.pt"))
     model = trainer.lightning_module
     final = {f"state_dict.{k}": local_shard(v).detach().clone() for k, v in model.state_dict().items()}
     os.makedirs(os.path.join(args.out, "final"), exist_ok=True)

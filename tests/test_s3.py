@@ -526,3 +526,22 @@ def test_fit_with_ckpt_path_last_resumes_from_last_ckpt_on_s3(s3, tmp_path):
     assert resumed.global_step == 16
     uninterrupted = fit("uninterrupted", 2, into="s3://bucket/uninterrupted")
     assert_bit_equal(resumed.lightning_module.state_dict(), uninterrupted.lightning_module.state_dict(), "resumed")
+
+
+def test_the_last_checkpoint_at_a_url_skips_a_directory_that_is_no_checkpoint(s3):
+    """A sharded ``last.ckpt`` directory without ``meta.pt`` (a save that never committed) is no candidate, however
+    new: the newest committed ``last*.ckpt`` is."""
+    from types import SimpleNamespace
+
+    from lightning_datastates.compat.last_checkpoint import newest_last_checkpoint
+
+    callback = ModelCheckpoint(dirpath="s3://bucket/candidates")
+    trainer = SimpleNamespace(callbacks=[callback], checkpoint_callbacks=[callback])
+    assert newest_last_checkpoint(trainer) is None  # type: ignore[arg-type]
+    s3.put("candidates/last-v1.ckpt", b"a committed single file")
+    s3.put("candidates/epoch=0-step=4.ckpt", b"not a last checkpoint")
+    time.sleep(1.1)  # S3 dates objects to the second
+    s3.put("candidates/last.ckpt/.metadata", b"a sharded save in flight: no meta.pt yet")
+    assert newest_last_checkpoint(trainer) == "s3://bucket/candidates/last-v1.ckpt"  # type: ignore[arg-type]
+    s3.put("candidates/last.ckpt/meta.pt", b"committed")
+    assert newest_last_checkpoint(trainer) == "s3://bucket/candidates/last.ckpt"  # type: ignore[arg-type]

@@ -388,8 +388,9 @@ def test_a_rank_killed_mid_flush_leaves_no_checkpoint_and_the_next_run_cleans_up
     assert uncommitted, "the held save should have left an uncommitted directory"
     for directory in uncommitted:  # nothing DCP would take for a checkpoint either
         assert not (directory / ".metadata").exists(), sorted(os.listdir(directory))
-    for directory in committed:  # the earlier checkpoints are whole
-        dcp_to_torch_save(str(directory), str(tmp_path / "check.pt"))
+    for directory in committed:  # the earlier checkpoints are whole: each as at its save call, bit for bit
+        expected = _expected(tmp_path, _step_of(directory), 2)
+        assert_bit_equal(_read_with_dcp(directory, tmp_path), expected, directory.name)
     # The next run in the same directory removes the dead run's leftovers before its first save.
     _run(tmp_path / "next", "--world", "2", "--epochs", "1", "--ckpt-dir", str(checkpoint_dir))
     for directory in checkpoint_dir.iterdir():

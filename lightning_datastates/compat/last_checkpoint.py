@@ -65,8 +65,9 @@ def newest_last_checkpoint(trainer: Trainer) -> str | None:
     directory, and each ``OnExceptionCheckpoint``'s file) that exists, with its protocol; None if there is none."""
     candidates: dict[str, Any] = {}
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        if isinstance(callback, OnExceptionCheckpoint) and callback.ckpt_path:
-            candidates[str(callback.ckpt_path)] = get_filesystem(callback.ckpt_path)
+        path = getattr(callback, "ckpt_path", None) if isinstance(callback, OnExceptionCheckpoint) else None
+        if path:  # as Lightning reads it
+            candidates[str(path)] = get_filesystem(path)
     for callback in trainer.checkpoint_callbacks:
         if isinstance(callback, ModelCheckpoint):
             fs = callback._fs
