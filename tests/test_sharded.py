@@ -14,6 +14,7 @@ import pathlib
 import pickle
 import signal
 import time
+from collections.abc import Callable
 
 import lightning as L
 import pytest
@@ -361,13 +362,15 @@ def test_a_rank_that_fails_its_flush_leaves_the_checkpoint_uncommitted_on_every_
     assert _mismatches(tmp_path, 2, tmp_path) == []
 
 
-def _kill_mid_flush(out: pathlib.Path, *args: str) -> None:
-    """Run the script with rank 1 held in its 3rd shard write; SIGKILL rank 1 there, then every other rank."""
+def _kill_mid_flush(out: pathlib.Path, committed: Callable[[], bool], *args: str) -> None:
+    """Run the script with rank 1 held in its 3rd shard write; once ``committed()`` (an earlier checkpoint is on
+    storage, committed by every rank's committer meanwhile: on a loaded machine that can take seconds), SIGKILL rank 1
+    there, then every other rank."""
     args = ("--world", "2", "--hold-rank", "1", *args)
     process = launch("sharded_script.py", str(out), *args, MASTER_PORT=str(free_port()))
     try:
         deadline = time.monotonic() + _RUN_TIMEOUT_S
-        while not (out / "held").exists():
+        while not ((out / "held").exists() and committed()):
             assert process.poll() is None and time.monotonic() < deadline, process.communicate()[0][-4000:]
             time.sleep(0.05)
         time.sleep(0.2)  # rank 0 goes on into the exchange
@@ -381,8 +384,8 @@ def _kill_mid_flush(out: pathlib.Path, *args: str) -> None:
 
 @pytest.mark.slow
 def test_a_rank_killed_mid_flush_leaves_no_checkpoint_and_the_next_run_cleans_up(tmp_path):
-    _kill_mid_flush(tmp_path)
     checkpoint_dir = tmp_path / "ckpt"
+    _kill_mid_flush(tmp_path, lambda: any(checkpoint_dir.glob("*/meta.pt")))
     committed = [d for d in checkpoint_dir.iterdir() if (d / "meta.pt").is_file()]
     uncommitted = [d for d in checkpoint_dir.iterdir() if not (d / "meta.pt").is_file()]
     assert uncommitted, "the held save should have left an uncommitted directory"
@@ -406,7 +409,7 @@ def test_a_rank_killed_mid_flush_leaves_no_checkpoint_and_the_next_run_cleans_up
 def test_a_rank_killed_mid_flush_on_s3_leaves_no_checkpoint_and_the_next_run_cleans_up(tmp_path, s3):
     prefix = f"killed-{time.monotonic_ns()}/ckpt"
     args = ("--ckpt-dir", s3.url(prefix), "--storage-options", json.dumps(s3.storage_options))
-    _kill_mid_flush(tmp_path, *args)
+    _kill_mid_flush(tmp_path, lambda: any(key.endswith("/meta.pt") for key in s3.keys(prefix + "/")), *args)
     directories = _s3_directories(s3, prefix)
     committed = [d for d, names in directories.items() if "meta.pt" in names]
     assert (committed and len(committed) < len(directories)) or s3.open_uploads(), directories
