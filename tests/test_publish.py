@@ -29,7 +29,7 @@ from lightning_datastates.sharded.publish import (
 from lightning_datastates.sharded.staging import stage_shard
 from lightning_datastates.storage import LocalWriter
 from tests.conftest import assert_bit_equal
-from tests.test_sharded_parts import _write
+from tests.test_sharded_parts import _dead_pid, _write
 
 #: The storage operations of a commit, in order: the record written, ``meta.pt`` removed, ``.metadata`` and
 #: ``meta.pt`` written, the record removed.
@@ -159,12 +159,12 @@ def test_a_storage_error_during_the_commit_never_loses_the_checkpoint_held(tmp_p
     assert settled == (fails_at == 0)
     if settled:  # nothing of this save is left; the earlier checkpoint is whole as it was
         assert sorted(os.listdir(directory)) == sorted(
-            [DCP_METADATA_NAME, LIGHTNING_META_NAME, first.file, _name(marker)]
+            [DCP_METADATA_NAME, LIGHTNING_META_NAME, first.file, os.path.basename(marker)]
         )
         os.remove(marker)
         assert _checkpoint_step(str(directory)) == 1
         return
-    os.rename(marker, marker.replace(f".{os.getpid()}.", f".{_dead_pid()}."))  # as the next run finds it
+    _as_the_next_run_finds_it(marker)
     clean_sharded_leftovers(LocalWriter(), str(tmp_path), max_age_s=3600)
     assert _checkpoint_step(str(directory)) == (1 if fails_at < 2 else 2)
 
@@ -197,9 +197,9 @@ def test_the_next_save_after_a_switch_stopped_half_way_finishes_it_first(tmp_pat
         os.remove(markers[1])  # as the committer does
         step = torch.load(directory / LIGHTNING_META_NAME, weights_only=True)["global_step"]
         assert step == (3 if next_fails_at is None else 2)  # whole in this run already
-    for marker in markers:  # as the next run finds them
+    for marker in markers:
         if os.path.exists(marker):
-            os.rename(marker, marker.replace(f".{os.getpid()}.", f".{_dead_pid()}."))
+            _as_the_next_run_finds_it(marker)
     clean_sharded_leftovers(LocalWriter(), str(tmp_path), max_age_s=3600)
     assert _checkpoint_step(str(directory)) == (3 if next_fails_at is None else 2)
 
@@ -222,13 +222,6 @@ def test_a_commit_record_naming_a_missing_shard_file_is_kept_as_it_is(tmp_path):
     assert sorted(os.listdir(directory)) == before and COMMIT_RECORD_NAME in before
 
 
-def _name(path: str) -> str:
-    return os.path.basename(path)
-
-
-def _dead_pid() -> int:
-    child = os.fork()
-    if child == 0:  # pragma: no cover
-        os._exit(0)
-    os.waitpid(child, 0)
-    return child
+def _as_the_next_run_finds_it(marker: str) -> None:
+    """Give this process's marker the pid of a process that is gone, as a later run sees it."""
+    os.rename(marker, marker.replace(f".{os.getpid()}.", f".{_dead_pid()}."))

@@ -32,6 +32,7 @@ from tests.s3_server import (  # noqa: F401 - the *_fixture imports register the
 from tests.script_support import launch, run_to_completion
 from tests.sharded_script import TIED, ShardedMLP, loader, local_state
 from tests.tensor_parallel_script import HSDP_REPLICATED, REPLICATED
+from tests.test_sharded_parts import alone_in_a_process_group
 
 #: A sharded run starts slowly on a loaded 2-core machine; this only bounds a hang.
 _RUN_TIMEOUT_S = 600
@@ -316,11 +317,7 @@ def test_lightning_alone_loads_a_two_rank_checkpoint_onto_one_rank(two_rank_run,
     sharded load, DCP resharding every tensor onto the one rank, restores the model and the optimizer state as they
     were at that save call (the run had ended: no step follows the load)."""
     last = two_rank_run / "ckpt" / "last.ckpt"
-    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):  # restored after the test
-        monkeypatch.setenv(name, "0")
-        monkeypatch.delenv(name)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    alone_in_a_process_group(monkeypatch)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,

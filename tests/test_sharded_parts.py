@@ -148,6 +148,16 @@ class _Metadata:
         self.storage_data = storage_data
 
 
+def alone_in_a_process_group(monkeypatch) -> None:
+    """The environment of a process group of this process alone, on a free port; restored after the test. Call it
+    again before each new group: Lightning sets the rank variables in this process, and a port may linger."""
+    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
+        monkeypatch.setenv(name, "0")  # records the value before (or its absence) for the undo
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+
+
 def _one_process_fit(
     tmp_path,
     monkeypatch,
@@ -161,11 +171,7 @@ def _one_process_fit(
     """A ModelParallel fit of this process alone (a process group of its own, 4 steps per epoch of a seeded
     ``model``, by default one whose parameters stay plain tensors), saving through ``plugin`` as ``checkpoint`` says,
     resumed from ``ckpt_path`` if given; the trainer, its process group destroyed."""
-    for name in ("LOCAL_RANK", "NODE_RANK"):  # Lightning sets them in this process: restored after the test
-        monkeypatch.setenv(name, "0")  # records the value before (or its absence) for the undo
-        monkeypatch.delenv(name)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    alone_in_a_process_group(monkeypatch)
     torch.manual_seed(0)
     strategy = ModelParallelStrategy() if strategy is None else strategy
     trainer = make_trainer(
@@ -276,7 +282,7 @@ def test_fsdp_validates_and_tests_from_a_sharded_checkpoint_on_s3(tmp_path, s3, 
     )
     expected = _parameters(fitted.lightning_module)
     for run in ("validate", "test"):
-        monkeypatch.setenv("MASTER_PORT", str(free_port()))
+        alone_in_a_process_group(monkeypatch)
         torch.manual_seed(1)
         model = _Fsdp1BNModel(width=32)
         model.test_step = model.validation_step  # type: ignore[method-assign]

@@ -33,13 +33,13 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.callbacks.on_exception_checkpoint import OnExceptionCheckpoint
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
+from lightning_datastates.sharded.publish import LIGHTNING_META_NAME
+
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
 
 #: Marks the wrapper, so that it is installed once.
 _WRAPPED = "_lightning_datastates_resolves_last_at_urls"
-#: Lightning's file in a sharded checkpoint directory (``lightning.fabric.utilities.load._METADATA_FILENAME``).
-_SHARDED_MARKER = "meta.pt"
 
 
 def resolve_last_at_urls(applies: Callable[[Trainer], bool]) -> None:
@@ -92,7 +92,7 @@ def _modified_s(fs: Any, path: str) -> float | None:
     if not fs.exists(path):
         return None
     if fs.isdir(path):
-        path = f"{path.rstrip('/')}/{_SHARDED_MARKER}"
+        path = f"{path.rstrip('/')}/{LIGHTNING_META_NAME}"
         if not fs.exists(path):
             return None
     return float(fs.modified(path).timestamp())

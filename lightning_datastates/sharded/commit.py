@@ -267,8 +267,7 @@ class ShardedCommitter:
                 return f"rank 0 could not write its metadata: {exc!r}{kept}", False
             # The directory holds what it held, whole: this save's files and record go.
             self._remove_files(writer, save.path, [*files, COMMIT_RECORD_NAME])
-            if not writer.exists(join_path(save.path, LIGHTNING_META_NAME)):
-                remove_empty_local_directory(save.path)  # an empty directory named like a checkpoint trips a resume
+            _remove_if_no_checkpoint_left(writer, save.path)
             return f"rank 0 could not write its metadata: {exc!r}", True
         try:
             switch_to_record(writer, save.path, planned.metadata_bytes, save.meta_bytes)
@@ -286,8 +285,7 @@ class ShardedCommitter:
         self._remove_files(writer, save.path, files)
         if save.marker is not None:
             self._remove_files(writer, save.path, [_name(save.marker)])
-        if not writer.exists(join_path(save.path, LIGHTNING_META_NAME)):
-            remove_empty_local_directory(save.path)  # an empty directory named like a checkpoint would trip a resume
+        _remove_if_no_checkpoint_left(writer, save.path)
         return "; ".join(f"rank {rank} failed: {error}" for rank, error in failed)
 
     def _remove_files(self, writer: StorageWriter, directory: str, names: Any) -> None:
@@ -318,6 +316,13 @@ def _files_of(writer: StorageWriter, metadata_path: str) -> list[str]:
     if not writer.exists(metadata_path):
         return []
     return files_named(bytes(writer.read_bytes(metadata_path)))
+
+
+def _remove_if_no_checkpoint_left(writer: StorageWriter, directory: str) -> None:
+    """After a save's files were removed: the local ``directory`` if it holds no checkpoint and nothing else (an empty
+    directory named like a checkpoint would trip a resume)."""
+    if not writer.exists(join_path(directory, LIGHTNING_META_NAME)):
+        remove_empty_local_directory(directory)
 
 
 def _name(path: str) -> str:
