@@ -338,6 +338,11 @@ def main() -> None:
         json.dump(planning_threads, handle)
     with open(os.path.join(args.out, f"rank{rank}.result"), "w") as handle:
         handle.write("ok" if failure is None else f"{type(failure).__name__}: {failure}")
+    # Lightning leaves the process group up at teardown; torch asks for it to be destroyed before exit. Left to the
+    # interpreter's exit, gloo's threads were once torn down while running ("terminate called without an active
+    # exception"), failing a run whose results were all written.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
