@@ -216,6 +216,63 @@ def test_remove_deletes_the_object_and_its_prefix_tree_only(s3):
     assert not writer.exists(s3.url("run/a.ckpt")) and writer.exists(s3.url("run/b.ckpt"))
 
 
+def _requests_of(writer: S3Writer, monkeypatch, answer=None) -> list[tuple[str, dict]]:
+    """Record each S3 request the writer's client makes (method, arguments); ``answer(method, kwargs, response)``
+    may change a response (a refusal injected at one precise request)."""
+    client = writer.client
+    call = client.call
+    made: list[tuple[str, dict]] = []
+
+    async def recorded(method, **kwargs):
+        made.append((method, kwargs))
+        response = await call(method, **kwargs)
+        return response if answer is None else answer(method, kwargs, response)
+
+    monkeypatch.setattr(client, "call", recorded)
+    return made
+
+
+def test_remove_files_deletes_many_objects_in_one_request_per_thousand(s3, monkeypatch):
+    import lightning_datastates.storage.s3.writer as writer_module
+
+    names = [f"__{rank}_t.distcp" for rank in range(5)]
+    for name in [*names, "meta.pt"]:
+        s3.put(f"run/a.ckpt/{name}", b"x")
+    writer = _writer(s3)
+    made = _requests_of(writer, monkeypatch)
+    writer.remove_files(s3.url("run/a.ckpt"), names[:2])
+    assert [method for method, _ in made] == ["delete_objects"]  # no listing, unlike remove()
+    monkeypatch.setattr(writer_module, "_DELETE_BATCH", 2)
+    writer.remove_files(s3.url("run/a.ckpt/"), [*names[2:], "missing"])
+    assert [len(kwargs["Delete"]["Objects"]) for _, kwargs in made[1:]] == [2, 2]
+    assert s3.keys() == ["run/a.ckpt/meta.pt"]
+
+
+@pytest.mark.parametrize("code", ["SlowDown", "AccessDenied"])
+def test_remove_files_retries_only_the_keys_refused_for_a_while_and_names_one_refused_for_good(s3, monkeypatch, code):
+    for name in ("a", "b", "c"):
+        s3.put(f"run/d/{name}", b"x")
+    writer = _writer(s3)
+
+    def refuse_b(method, kwargs, response):  # S3 answers 200 and lists the keys it did not delete
+        if kwargs["Delete"]["Objects"][1:2] == [{"Key": "run/d/b"}]:
+            return {**response, "Errors": [{"Key": "run/d/b", "Code": code, "Message": "refused (injected)"}]}
+        return response
+
+    made = _requests_of(writer, monkeypatch, refuse_b)
+    if code == "SlowDown":
+        writer.remove_files(s3.url("run/d"), ["a", "b", "c"])
+        assert [[o["Key"] for o in kwargs["Delete"]["Objects"]] for _, kwargs in made] == [
+            ["run/d/a", "run/d/b", "run/d/c"],
+            ["run/d/b"],  # the retry sends the refused key alone
+        ]
+        assert s3.keys("run/d") == []
+    else:
+        with pytest.raises(S3WriteError, match=r"removing 3 file.*run/d.*AccessDenied: run/d/b: refused.*credentials"):
+            writer.remove_files(s3.url("run/d"), ["a", "b", "c"])
+        assert len(made) == 1  # a refusal no retry can fix is not retried
+
+
 def test_clean_stale_aborts_old_foreign_uploads_in_the_directory_only(s3):
     # moto dates every upload 2010-11-10: all look older than an hour, like uploads a crashed run left.
     foreign = s3.client.create_multipart_upload(Bucket=s3.bucket, Key="run/crashed.ckpt")["UploadId"]

@@ -277,6 +277,22 @@ def test_remove_deletes_and_ignores_missing(harness: Harness) -> None:
     harness.writer.remove(harness.path("never-existed.ckpt"))
 
 
+def test_remove_files_deletes_the_named_files_of_a_directory_only(harness: Harness) -> None:
+    """What a sharded commit removes: some files of one directory; a missing name is not an error."""
+    directory = harness.path("sharded.ckpt")
+    if "://" not in directory:
+        os.makedirs(directory)  # object stores have no directories to make
+    for name in ("a", "b", "kept"):
+        harness.put(f"{directory}/{name}", name.encode())
+    harness.put(harness.path("a"), b"outside")  # the same name beside the directory
+    harness.writer.remove_files(directory, ["a", "b", "never-existed"])
+    assert [harness.read(f"{directory}/{name}") for name in ("a", "b", "kept")] == [None, None, b"kept"]
+    assert harness.read(harness.path("a")) == b"outside"
+    harness.writer.remove_files(directory, [])
+    harness.writer.remove_files(directory, ["a"])  # already gone
+    assert not harness.writer.exists(f"{directory}/a") and harness.writer.exists(f"{directory}/kept")
+
+
 def test_clean_stale_on_a_clean_directory_removes_nothing(harness: Harness) -> None:
     path = harness.path("kept.ckpt")
     harness.put(path, b"data")

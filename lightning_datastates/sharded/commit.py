@@ -289,11 +289,13 @@ class ShardedCommitter:
         return "; ".join(f"rank {rank} failed: {error}" for rank, error in failed)
 
     def _remove_files(self, writer: StorageWriter, directory: str, names: Any) -> None:
-        for name in names:
-            try:
-                writer.remove(join_path(directory, name))
-            except Exception as exc:  # noqa: BLE001 - a leftover file, never a wrong checkpoint
-                log.warning("lightning_datastates: could not remove %s: %r", join_path(directory, name), exc)
+        names = list(names)
+        if not names:
+            return
+        try:
+            writer.remove_files(directory, names)  # one request for them all on S3
+        except Exception as exc:  # noqa: BLE001 - a leftover file, never a wrong checkpoint
+            log.warning("lightning_datastates: could not remove %s from %s: %r", names, directory, exc)
 
     def _remove(self, removal: _Removal) -> None:
         with self._lock:

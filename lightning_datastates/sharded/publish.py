@@ -99,10 +99,10 @@ def switch_to_record(writer: StorageWriter, directory: str, metadata_bytes: byte
     Raises:
         Exception: whatever storage raised; the directory is then left for :func:`complete_or_keep`.
     """
-    writer.remove(join_path(directory, LIGHTNING_META_NAME))  # from here the directory is no checkpoint
+    writer.remove_files(directory, [LIGHTNING_META_NAME])  # from here the directory is no checkpoint
     write_file(writer, join_path(directory, DCP_METADATA_NAME), metadata_bytes)
     write_file(writer, join_path(directory, LIGHTNING_META_NAME), meta_bytes)
-    writer.remove(join_path(directory, COMMIT_RECORD_NAME))
+    writer.remove_files(directory, [COMMIT_RECORD_NAME])
 
 
 def complete_or_keep(writer: StorageWriter, directory: str, names: set[str]) -> bool:

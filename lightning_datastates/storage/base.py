@@ -29,7 +29,7 @@ from several threads at once (the training thread begins, loads and cleans while
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -96,6 +96,17 @@ class StorageWriter(ABC):
     @abstractmethod
     def remove(self, path: str) -> None:
         """Remove the committed file at ``path``; a missing file is not an error."""
+
+    def remove_files(self, directory: str, names: Sequence[str]) -> None:
+        """Remove the files ``names`` directly in ``directory`` (files only: a sharded checkpoint's shards, its
+        metadata, markers), in any order; missing ones are not an error. The default removes one at a time through
+        :meth:`remove`; a backend that deletes several files in one request overrides it (S3: ``DeleteObjects``).
+
+        Raises:
+            OSError: a file could not be removed (those after it in ``names`` may be left too).
+        """
+        for name in names:
+            self.remove(f"{directory.rstrip('/')}/{name}")
 
     @abstractmethod
     def open_read(self, path: str) -> BinaryIO:

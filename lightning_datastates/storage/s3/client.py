@@ -242,7 +242,8 @@ def describe(exc: BaseException) -> str:
         info = error.response.get("Error", {})
         status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         hint = ERROR_HINTS.get(str(info.get("Code")))
-        return f"{info.get('Code')} (HTTP {status}): {info.get('Message') or exc}" + (f"; {hint}" if hint else "")
+        where = f" (HTTP {status})" if status else ""  # none for a key a DeleteObjects request refused
+        return f"{info.get('Code')}{where}: {info.get('Message') or exc}" + (f"; {hint}" if hint else "")
     if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):  # distinct classes before Python 3.11
         return "no answer within timeout_s"
     return f"{type(exc).__name__}: {exc}"
