@@ -7,6 +7,7 @@ import io
 import json
 import os
 import pathlib
+import warnings
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 
 from lightning_datastates import DataStatesIO
+from lightning_datastates.callback import DataStatesCallback
 from lightning_datastates.compat.lightning import checkpoint_path_str
 from lightning_datastates.strategies import PluginBypassedWarning, bypass_reason
 from tests.conftest import (
@@ -142,6 +144,27 @@ def test_bypassing_strategies_are_named_and_the_others_are_not():
     assert bypass_reason(FSDPStrategy(state_dict_type="full")) is None
     assert bypass_reason(ModelParallelStrategy(save_distributed_checkpoint=False)) is None
     assert bypass_reason(DDPStrategy()) is None
+
+
+def test_the_callback_warns_at_setup_of_a_trainer_whose_strategy_bypasses_the_plugin(tmp_path, monkeypatch):
+    """DeepSpeed (not installed here, so its strategy cannot run): a real Trainer's callback set up while the trainer's
+    strategy is a DeepSpeedStrategy holding the plugin, as Lightning would hand it over. The warning names it, once."""
+    plugin = DataStatesIO()
+    trainer = make_trainer(str(tmp_path), plugin, enable_checkpointing=False)
+    (callback,) = [c for c in trainer.callbacks if isinstance(c, DataStatesCallback)]
+    deepspeed = DeepSpeedStrategy.__new__(DeepSpeedStrategy)  # its __init__ needs the deepspeed package
+    deepspeed._checkpoint_io = plugin
+    monkeypatch.setattr(type(trainer), "strategy", property(lambda _: deepspeed))
+    for stage in ("fit", "validate"):
+        with pytest.warns(PluginBypassedWarning, match="DeepSpeedStrategy writes each checkpoint") as warned:
+            callback.setup(trainer, BNModel(), stage)
+        callback.teardown(trainer, BNModel(), stage)
+    assert len(warned) == 1
+    monkeypatch.undo()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PluginBypassedWarning)
+        callback.setup(trainer, BNModel(), "fit")  # the trainer's own strategy: no warning
+        callback.teardown(trainer, BNModel(), "fit")
 
 
 def test_sharded_saves_go_through_the_plugin_and_top_k_removes_directories(tmp_path, single_process_group, recwarn):
