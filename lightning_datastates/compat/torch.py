@@ -15,10 +15,13 @@ import pickle
 import sys
 import types
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils.serialization
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def storage_identity(storage: torch.UntypedStorage) -> int:
@@ -250,6 +253,15 @@ def dcp_storage_info(relative_path: str, offset: int, length: int) -> Any:
     return _StorageInfo(relative_path, offset, length)
 
 
+@functools.cache
+def dtensor_type() -> type[DTensor]:
+    """torch's ``DTensor`` class, imported on first use (importing ``torch.distributed.tensor`` costs time at startup;
+    a function-level import costs a microsecond per call, and the sharded staging asks thousands of times a save)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     """The part of ``tensor`` this process holds: a DTensor's local tensor (sharing its storage), else ``tensor``.
 
@@ -257,11 +269,10 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     without the autograd function that costs microseconds per tensor, thousands per save; checked against torch
     2.13.0); another subclass goes through ``to_local()``.
     """
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(tensor, DTensor):
+    dtensor = dtensor_type()
+    if isinstance(tensor, dtensor):
         local = getattr(tensor, "_local_tensor", None)
-        if type(tensor) is DTensor and isinstance(local, torch.Tensor):
+        if type(tensor) is dtensor and isinstance(local, torch.Tensor):
             return local
         with torch.no_grad():
             return tensor.to_local()

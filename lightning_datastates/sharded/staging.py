@@ -25,6 +25,7 @@ from typing import Any, cast
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
 
 from lightning_datastates.compat.torch import local_shard
 from lightning_datastates.sharded.dcp_writer import ShardFileName, StagedShard, item_key, shard_file_name
@@ -94,8 +95,6 @@ def local_plan(planner: DefaultSavePlanner) -> SavePlan:
     Replicas on meshes of their own (a DTensor on a submesh, replicated by a parallelism outside it), plain tensors
     and pickled objects stay on every rank that holds them: a rank cannot tell alone which others do.
     """
-    from torch.distributed.tensor import DTensor
-
     plan = planner.create_local_plan()
     groups: dict[tuple[Any, ...], list[int]] = {}  # item positions by (mesh, placements): a handful of groups
     for position, item in enumerate(plan.items):
@@ -171,8 +170,6 @@ def _new_file_name(rank: int) -> str:
 
 def _structure(state_dict: dict[str, Any]) -> list[tuple[Any, ...]] | None:
     """What DCP's local plan of the flat ``state_dict`` depends on (see :class:`LocalPlans`); None if not known."""
-    from torch.distributed.tensor import DTensor
-
     structure: list[tuple[Any, ...]] = [(torch.is_grad_enabled(),)]
     for fqn, obj in state_dict.items():
         if isinstance(obj, DTensor):
@@ -201,8 +198,6 @@ def _resolve(planner: DefaultSavePlanner, item: WriteItem) -> torch.Tensor | io.
     tensor (the same storage, offset, shape and strides); a plain tensor to itself. Anything else (bytes, a
     ``ShardedTensor``, another subclass) goes through DCP.
     """
-    from torch.distributed.tensor import DTensor
-
     if item.type != WriteItemType.BYTE_IO:
         obj = planner.state_dict.get(item.index.fqn)
         if type(obj) is DTensor:
