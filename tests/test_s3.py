@@ -273,6 +273,26 @@ def test_remove_files_retries_only_the_keys_refused_for_a_while_and_names_one_re
         assert len(made) == 1  # a refusal no retry can fix is not retried
 
 
+def test_remove_files_deletes_one_object_at_a_time_where_deleteobjects_is_not_implemented(s3, monkeypatch):
+    from botocore.exceptions import ClientError
+
+    for name in ("a", "b", "c"):
+        s3.put(f"run/d/{name}", b"x")
+    writer = _writer(s3)
+
+    def not_implemented(method, kwargs, response):  # as some S3-compatible services answer
+        if method == "delete_objects":
+            error = {"Code": "NotImplemented", "Message": "A header you provided implies functionality not implemented"}
+            raise ClientError({"Error": error, "ResponseMetadata": {"HTTPStatusCode": 501}}, "DeleteObjects")
+        return response
+
+    made = _requests_of(writer, monkeypatch, not_implemented)
+    writer.remove_files(s3.url("run/d"), ["a", "b"])
+    writer.remove_files(s3.url("run/d"), ["c"])  # known now: no second try
+    assert [method for method, _ in made] == ["delete_objects", "delete_object", "delete_object", "delete_object"]
+    assert s3.keys("run/d") == []
+
+
 def test_clean_stale_aborts_old_foreign_uploads_in_the_directory_only(s3):
     # moto dates every upload 2010-11-10: all look older than an hour, like uploads a crashed run left.
     foreign = s3.client.create_multipart_upload(Bucket=s3.bucket, Key="run/crashed.ckpt")["UploadId"]

@@ -12,6 +12,7 @@ seen exist.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Hashable, Sequence
@@ -27,11 +28,14 @@ from lightning_datastates.storage.s3.client import (
     S3Client,
     S3NotFoundError,
     check_s3_options,
+    error_code,
     split_tunables,
 )
 from lightning_datastates.storage.s3.markers import OPEN_UPLOADS, clean_stale_uploads, write_marker
 from lightning_datastates.storage.s3.parts import MiB, plan_parts
 from lightning_datastates.storage.s3.session import S3WriteSession
+
+log = logging.getLogger("lightning_datastates")
 
 
 class S3Writer(StorageWriter):
@@ -80,6 +84,8 @@ class S3Writer(StorageWriter):
         self._client = self._new_client()
         #: Buckets known to exist: the check costs one request per bucket and writer.
         self._known_buckets: set[str] = set()
+        #: Whether the service takes ``DeleteObjects`` (some S3-compatible ones answer NotImplemented).
+        self._deletes_in_batches = True
 
     @classmethod
     def from_storage_options(cls, storage_options: dict[str, Any] | None) -> S3Writer:
@@ -191,6 +197,9 @@ class S3Writer(StorageWriter):
         the listing :meth:`remove` makes for a directory; missing ones are fine. A sharded commit removes its files
         this way (one request where :meth:`remove` makes two per file).
 
+        A service that does not implement ``DeleteObjects`` (some S3-compatible ones answer ``NotImplemented``) gets
+        one ``DeleteObject`` per file instead, from then on.
+
         Raises:
             S3WriteError: a request failed, or S3 refused to delete an object (its key, code and message named),
                 after retries for transient refusals (``SlowDown``, ``InternalError``: only the refused keys are sent
@@ -203,9 +212,20 @@ class S3Writer(StorageWriter):
 
         async def delete() -> None:
             while pending:
+                if not self._deletes_in_batches:
+                    await client.call("delete_object", Bucket=bucket, Key=pending[0])
+                    del pending[0]
+                    continue
                 batch = pending[:_DELETE_BATCH]
                 request = {"Objects": [{"Key": k} for k in batch], "Quiet": True}
-                response = await client.call("delete_objects", Bucket=bucket, Delete=request)
+                try:
+                    response = await client.call("delete_objects", Bucket=bucket, Delete=request)
+                except Exception as exc:
+                    if error_code(exc) != "NotImplemented":
+                        raise
+                    log.info("lightning_datastates: %s takes no DeleteObjects; deleting one object at a time", bucket)
+                    self._deletes_in_batches = False
+                    continue
                 refused = [e for e in response.get("Errors", []) if e.get("Code") != "NoSuchKey"]
                 del pending[: len(batch)]
                 if refused:
