@@ -412,13 +412,30 @@ def test_a_rank_killed_mid_flush_on_s3_leaves_no_checkpoint_and_the_next_run_cle
     directories = _s3_directories(s3, prefix)
     committed = [d for d, names in directories.items() if "meta.pt" in names]
     assert (committed and len(committed) < len(directories)) or s3.open_uploads(), directories
-    for directory in committed:  # whole: every file its .metadata names is there, long enough
-        _assert_s3_checkpoint_whole(s3, f"{prefix}/{directory}")
+    for directory, names in directories.items():  # nothing DCP would take for a checkpoint without meta.pt either
+        assert "meta.pt" in names or ".metadata" not in names, (directory, names)
+    for directory in committed:  # the earlier checkpoints are whole: each as at its save call, bit for bit
+        local = _download(s3, f"{prefix}/{directory}", tmp_path / "from-s3" / directory)
+        assert_bit_equal(_read_with_dcp(local, tmp_path), _expected(tmp_path, _step_of(local), 2), directory)
     _run(tmp_path / "next", "--world", "2", "--epochs", "1", *args)
     for directory, names in _s3_directories(s3, prefix).items():
-        assert "meta.pt" in names and not any(n.endswith(".datastates-pending") for n in names), (directory, names)
+        # Each directory holds its checkpoint's files and nothing else: no marker, shard file or record of the dead run.
+        assert "meta.pt" in names, (directory, names)
         _assert_s3_checkpoint_whole(s3, f"{prefix}/{directory}")
+        named = {
+            info.relative_path
+            for info in pickle.loads(s3.read(f"{prefix}/{directory}/.metadata")).storage_data.values()
+        }
+        assert set(names) == named | {".metadata", "meta.pt"}, (directory, sorted(names))
     assert [u for u in s3.open_uploads() if prefix in u] == []
+
+
+def _download(s3, directory: str, local: pathlib.Path) -> pathlib.Path:
+    """The objects under ``directory/`` in the bucket, as files of the local directory ``local`` (DCP's reader)."""
+    local.mkdir(parents=True)
+    for key in s3.keys(directory + "/"):
+        (local / key[len(directory) + 1 :]).write_bytes(s3.read(key))
+    return local
 
 
 def _s3_directories(s3, prefix: str) -> dict[str, list[str]]:
