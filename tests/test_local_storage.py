@@ -321,3 +321,25 @@ def test_local_write_past_rlimit_fsize_raises_efbig_and_abort_cleans_up(ckpt_dir
     assert (ckpt_dir / "good.ckpt").read_bytes() == b"g" * 1000  # the earlier checkpoint is intact
     assert not (ckpt_dir / "new.ckpt").exists()
     assert _temp_files(ckpt_dir) == []
+
+
+def test_a_marker_is_made_without_fsync_and_the_next_commit_in_its_directory_syncs_the_directory(tmp_path, monkeypatch):
+    """The in-flight marker is created on the training thread: no fsync there (tens of milliseconds while an earlier
+    checkpoint's writes keep the disk busy). The next file committed in the directory fsyncs the directory, which
+    makes the marker's entry durable before that file's."""
+    synced: list[str] = []
+    fsync = os.fsync
+
+    def recorded(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recorded)
+    writer = LocalWriter()
+    directory = tmp_path / "sharded.ckpt"
+    writer.create_marker(str(directory / ".commit.host.1.token.datastates-pending"))
+    assert synced == [] and (directory / ".commit.host.1.token.datastates-pending").read_bytes() == b""
+    session = writer.begin(str(directory / "__0_token.distcp"), 3)
+    session.write_range(0, memoryview(b"abc"))
+    session.complete()
+    assert synced[-1] == str(directory)

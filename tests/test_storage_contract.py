@@ -293,6 +293,17 @@ def test_remove_files_deletes_the_named_files_of_a_directory_only(harness: Harne
     assert not harness.writer.exists(f"{directory}/a") and harness.writer.exists(f"{directory}/kept")
 
 
+def test_create_marker_makes_an_empty_file_visible_at_once_and_leaves_nothing_else(harness: Harness) -> None:
+    """A sharded save's in-flight marker: an empty file, in a directory that may not exist yet (local)."""
+    marker = harness.path("sharded.ckpt/.commit.host.1.token.datastates-pending")
+    harness.writer.create_marker(marker)
+    assert harness.read(marker) == b"" and harness.writer.exists(marker)
+    harness.writer.create_marker(marker)  # again: still one empty file
+    assert [e.name for e in harness.writer.list_directory(harness.path("sharded.ckpt"))] == [os.path.basename(marker)]
+    harness.writer.remove_files(harness.path("sharded.ckpt"), [os.path.basename(marker)])  # as the commit does
+    assert harness.read(marker) is None
+
+
 def test_clean_stale_on_a_clean_directory_removes_nothing(harness: Harness) -> None:
     path = harness.path("kept.ckpt")
     harness.put(path, b"data")

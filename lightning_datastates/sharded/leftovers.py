@@ -21,7 +21,7 @@ import logging
 import time
 
 from lightning_datastates.sharded.dcp_writer import DCP_METADATA_NAME, join_path
-from lightning_datastates.sharded.publish import LIGHTNING_META_NAME, complete_or_keep, files_named, write_file
+from lightning_datastates.sharded.publish import LIGHTNING_META_NAME, complete_or_keep, files_named
 from lightning_datastates.storage.base import DirectoryEntry, StorageWriter
 from lightning_datastates.storage.leftovers import leftover_name, parse_leftover_name, writer_gone
 
@@ -32,9 +32,10 @@ PENDING_SUFFIX = ".datastates-pending"
 
 
 def mark_pending(writer: StorageWriter, directory: str) -> str:
-    """Create this process's marker in ``directory`` and return its path."""
+    """Create this process's marker in ``directory`` and return its path: visible to every rank at once, durable
+    before any file of the save is (:meth:`~lightning_datastates.storage.base.StorageWriter.create_marker`)."""
     marker = join_path(directory, leftover_name("commit", PENDING_SUFFIX))
-    write_file(writer, marker, b"")
+    writer.create_marker(marker)
     return marker
 
 

@@ -108,6 +108,22 @@ class StorageWriter(ABC):
         for name in names:
             self.remove(f"{directory.rstrip('/')}/{name}")
 
+    def create_marker(self, path: str) -> None:
+        """Create an empty file at ``path`` whose name is all it says (a sharded save's in-flight marker): visible to
+        every process once this returns, and durable no later than the next file committed in the same directory,
+        which is all that orders it before the files it marks. By default a committed empty file (durable at once);
+        a backend with a cheaper way that keeps this promise overrides it (local files: no fsync).
+
+        Raises:
+            OSError: the file could not be created (the error names the path).
+        """
+        session = self.begin(path, 0)
+        try:
+            session.complete()
+        except BaseException:
+            session.abort()
+            raise
+
     @abstractmethod
     def open_read(self, path: str) -> BinaryIO:
         """A binary file object reading the committed file at ``path``, as a stream (nothing read ahead of need)."""

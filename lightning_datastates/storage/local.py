@@ -218,6 +218,17 @@ class LocalWriter(StorageWriter):
         """Whether ``path`` exists."""
         return os.path.exists(local_path(path))
 
+    def create_marker(self, path: str) -> None:
+        """An empty file, made by one ``open``, with no fsync: every :meth:`LocalWriteSession.complete` in the same
+        directory fsyncs the directory, and with it this earlier entry (a journaling file system commits a directory's
+        operations in order; the file has no data to flush). A durable marker costs two fsyncs and a directory fsync,
+        each tens of milliseconds while an earlier checkpoint's writes keep the disk busy, on the training thread."""
+        path = local_path(path)
+        directory = os.path.dirname(path) or "."
+        with _unwritable_directory_named(directory):
+            os.makedirs(directory, exist_ok=True)
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666))
+
     def open_read(self, path: str) -> BinaryIO:
         """Open ``path`` for reading."""
         return open(local_path(path), "rb")
