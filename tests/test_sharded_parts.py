@@ -167,15 +167,21 @@ def _one_process_fit(
     model: type[BNModel] | None = None,
     max_epochs: int = 1,
     ckpt_path: str | None = None,
+    callbacks: list[L.Callback] | None = None,
 ) -> L.Trainer:
     """A ModelParallel fit of this process alone (a process group of its own, 4 steps per epoch of a seeded
     ``model``, by default one whose parameters stay plain tensors), saving through ``plugin`` as ``checkpoint`` says,
-    resumed from ``ckpt_path`` if given; the trainer, its process group destroyed."""
+    resumed from ``ckpt_path`` if given, with ``callbacks`` besides; the trainer, its process group destroyed."""
     alone_in_a_process_group(monkeypatch)
     torch.manual_seed(0)
     strategy = ModelParallelStrategy() if strategy is None else strategy
     trainer = make_trainer(
-        str(tmp_path), plugin, callbacks=[checkpoint], strategy=strategy, devices=1, max_epochs=max_epochs
+        str(tmp_path),
+        plugin,
+        callbacks=[checkpoint, *(callbacks or [])],
+        strategy=strategy,
+        devices=1,
+        max_epochs=max_epochs,
     )
     try:
         trainer.fit((model or _ParallelBNModel)(width=32), make_loader(n=32), ckpt_path=ckpt_path)
@@ -330,6 +336,55 @@ def test_sharded_fit_on_s3_commits_each_checkpoint_after_its_files(tmp_path, s3,
     assert_bit_equal(state, trainer.lightning_module.state_dict(), "model after fit")
     meta = torch.load(io.BytesIO(s3.read("run/epoch=0-step=4.ckpt/meta.pt")), weights_only=False)
     assert meta["global_step"] == 4
+
+
+class _RemoveThenSaveAgain(L.Callback):
+    """At step 2 saves ``user.ckpt``; at step 3 saves ``other.ckpt``, removes ``user.ckpt`` while that save is still
+    being committed (the committer held in its planning), and saves ``user.ckpt`` again, recording the model then."""
+
+    def __init__(self, directory, hold: threading.Event) -> None:
+        self.directory, self.hold = directory, hold
+        self.deferred = False
+        self.state_at_save: dict[str, torch.Tensor] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        user = str(self.directory / "user.ckpt")
+        if trainer.global_step == 2:
+            trainer.save_checkpoint(user)
+        elif trainer.global_step == 3:
+            self.hold.clear()
+            trainer.save_checkpoint(str(self.directory / "other.ckpt"))
+            trainer.strategy.remove_checkpoint(user)
+            self.deferred = trainer.strategy.checkpoint_io._sharded.committer.is_removal_deferred(user)
+            trainer.save_checkpoint(user)
+            self.state_at_save = {k: local_shard(v).detach().clone() for k, v in pl_module.state_dict().items()}
+            self.hold.set()
+
+
+def test_a_path_removed_while_commits_are_pending_then_saved_again_keeps_the_new_save(tmp_path, monkeypatch):
+    """A removal queued behind pending commits must not run once the same path is saved again: Lightning alone ends
+    with the new save there; so must the plugin (the new save's files are in the directory before its commit)."""
+    import lightning_datastates.sharded.commit as commit_module
+
+    hold = threading.Event()
+    hold.set()
+    planned = commit_module.plan_checkpoint
+
+    def held(*args, **kwargs):  # the committer thread waits here until the callback has saved user.ckpt again
+        assert hold.wait(60)
+        return planned(*args, **kwargs)
+
+    monkeypatch.setattr(commit_module, "plan_checkpoint", held)
+    callback = _RemoveThenSaveAgain(tmp_path / "ckpt", hold)
+    checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "unused"), save_top_k=0)
+    _one_process_fit(tmp_path, monkeypatch, DataStatesIO(), checkpoint, callbacks=[callback])
+    assert callback.deferred, "the removal should have waited behind the pending save of other.ckpt"
+    directory = tmp_path / "ckpt" / "user.ckpt"
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["other.ckpt", "user.ckpt"]
+    assert torch.load(directory / LIGHTNING_META_NAME, weights_only=False)["global_step"] == 3
+    state = {k: torch.zeros_like(v) for k, v in callback.state_at_save.items()}
+    dcp.load({"state_dict": state}, checkpoint_id=str(directory), no_dist=True)
+    assert_bit_equal(state, callback.state_at_save, "user.ckpt saved again")
 
 
 def test_no_rank_learns_the_directory_before_rank_0_has_marked_it(tmp_path, monkeypatch):

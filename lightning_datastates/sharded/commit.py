@@ -87,6 +87,8 @@ class _Removal:
     path: str
     remove: Callable[[], None]
     failures_before: int
+    started: bool = False  # the committer thread took it (under the committer's lock)
+    cancelled: bool = False  # the path is saved again: the removal must not delete the new save's files
 
 
 @dataclass
@@ -145,7 +147,30 @@ class ShardedCommitter:
     def is_removal_deferred(self, path: str) -> bool:
         """Whether a removal of ``path`` waits behind pending saves."""
         with self._lock:
-            return any(isinstance(e.item, _Removal) and e.item.path == path for e in self._pending)
+            return any(self._removal_of(e, path) is not None for e in self._pending)
+
+    def cancel_removals(self, path: str) -> None:
+        """Rank 0, before a new save of ``path`` writes anything there: drop the removals of ``path`` still queued
+        (the new checkpoint replaces what they would delete, as a synchronous save after the removal would), and wait
+        for one the committer thread already runs, so that it cannot delete the new save's files."""
+        with self._lock:
+            running = []
+            for entry in self._pending:
+                removal = self._removal_of(entry, path)
+                if removal is not None:
+                    removal.cancelled = not removal.started
+                    if removal.started:
+                        running.append(entry)
+        for entry in running:
+            entry.done.wait()
+
+    @staticmethod
+    def _removal_of(entry: _Entry, path: str) -> _Removal | None:
+        """``entry``'s removal of ``path`` that is still to come, if it is one (call with the lock held)."""
+        item = entry.item
+        if isinstance(item, _Removal) and item.path == path and not item.cancelled:
+            return item
+        return None
 
     def wait_path(self, path: str) -> None:
         """Wait until every queued save of ``path`` is committed or failed."""
@@ -299,6 +324,9 @@ class ShardedCommitter:
 
     def _remove(self, removal: _Removal) -> None:
         with self._lock:
+            if removal.cancelled:
+                return  # the path was saved again meanwhile
+            removal.started = True
             failed = self._failure_count > removal.failures_before
         if failed:
             log.warning("lightning_datastates: kept %s: a newer checkpoint failed", removal.path)
