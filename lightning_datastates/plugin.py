@@ -311,8 +311,11 @@ class DataStatesIO(CheckpointIO):
             self._engine.drain()
 
     def is_pending(self, path: CheckpointPath) -> bool:
-        """Whether ``path`` has a checkpoint that is saved but not yet on storage."""
-        return self._engine is not None and self._engine.is_pending(checkpoint_path_str(path))
+        """Whether ``path`` has a checkpoint that is saved but not yet on storage (a sharded one: not yet committed)."""
+        path = checkpoint_path_str(path)
+        if self._sharded is not None and self._sharded.committer.is_pending(path):
+            return True
+        return self._engine is not None and self._engine.is_pending(path)
 
     def raise_pending_failure(self, path: str | None = None) -> None:
         """Raise the oldest unreported background failure (of ``path`` if given) as ``CheckpointFlushError``.

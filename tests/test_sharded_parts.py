@@ -344,7 +344,7 @@ class _RemoveThenSaveAgain(L.Callback):
 
     def __init__(self, directory, hold: threading.Event) -> None:
         self.directory, self.hold = directory, hold
-        self.deferred = False
+        self.deferred = self.pending = False
         self.state_at_save: dict[str, torch.Tensor] = {}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -358,6 +358,7 @@ class _RemoveThenSaveAgain(L.Callback):
             self.deferred = trainer.strategy.checkpoint_io._sharded.committer.is_removal_deferred(user)
             trainer.save_checkpoint(user)
             self.state_at_save = {k: local_shard(v).detach().clone() for k, v in pl_module.state_dict().items()}
+            self.pending = trainer.strategy.checkpoint_io.is_pending(user)  # its commit is held
             self.hold.set()
 
 
@@ -379,6 +380,7 @@ def test_a_path_removed_while_commits_are_pending_then_saved_again_keeps_the_new
     checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "unused"), save_top_k=0)
     _one_process_fit(tmp_path, monkeypatch, DataStatesIO(), checkpoint, callbacks=[callback])
     assert callback.deferred, "the removal should have waited behind the pending save of other.ckpt"
+    assert callback.pending  # DataStatesIO.is_pending knows the directory's commit is still to come
     directory = tmp_path / "ckpt" / "user.ckpt"
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["other.ckpt", "user.ckpt"]
     assert torch.load(directory / LIGHTNING_META_NAME, weights_only=False)["global_step"] == 3
