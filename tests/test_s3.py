@@ -216,80 +216,91 @@ def test_remove_deletes_the_object_and_its_prefix_tree_only(s3):
     assert not writer.exists(s3.url("run/a.ckpt")) and writer.exists(s3.url("run/b.ckpt"))
 
 
-def _requests_of(writer: S3Writer, monkeypatch, answer=None) -> list[tuple[str, dict]]:
-    """Record each S3 request the writer's client makes (method, arguments); ``answer(method, kwargs, response)``
-    may change a response (a refusal injected at one precise request)."""
+def _requests_of(writer: S3Writer, monkeypatch, before=None, after=None) -> list[tuple[str, dict]]:
+    """Record each S3 request the writer's client makes (method, arguments). A fault injected at one precise request:
+    ``before(method, kwargs)`` may raise instead of sending it; ``after(method, kwargs, response)`` may change the
+    response."""
     client = writer.client
     call = client.call
     made: list[tuple[str, dict]] = []
 
     async def recorded(method, **kwargs):
         made.append((method, kwargs))
+        if before is not None:
+            before(method, kwargs)
         response = await call(method, **kwargs)
-        return response if answer is None else answer(method, kwargs, response)
+        return response if after is None else after(method, kwargs, response)
 
     monkeypatch.setattr(client, "call", recorded)
     return made
 
 
-def test_remove_files_deletes_many_objects_in_one_request_per_thousand(s3, monkeypatch):
-    import lightning_datastates.storage.s3.writer as writer_module
+def _keys_sent(made: list[tuple[str, dict]]) -> list[list[str]]:
+    return [[o["Key"] for o in kw["Delete"]["Objects"]] if m == "delete_objects" else [kw["Key"]] for m, kw in made]
+
+
+def test_remove_files_deletes_many_objects_in_one_request_per_thousand_and_one_with_delete_object(s3, monkeypatch):
+    import lightning_datastates.storage.s3.deletes as deletes_module
 
     names = [f"__{rank}_t.distcp" for rank in range(5)]
-    for name in [*names, "meta.pt"]:
+    for name in [*names, "meta.pt", ".record"]:
         s3.put(f"run/a.ckpt/{name}", b"x")
     writer = _writer(s3)
     made = _requests_of(writer, monkeypatch)
     writer.remove_files(s3.url("run/a.ckpt"), names[:2])
-    assert [method for method, _ in made] == ["delete_objects"]  # no listing, unlike remove()
-    monkeypatch.setattr(writer_module, "_DELETE_BATCH", 2)
-    writer.remove_files(s3.url("run/a.ckpt/"), [*names[2:], "missing"])
-    assert [len(kwargs["Delete"]["Objects"]) for _, kwargs in made[1:]] == [2, 2]
+    writer.remove_files(s3.url("run/a.ckpt/"), [".record"])
+    assert [method for method, _ in made] == ["delete_objects", "delete_object"]  # no listing, unlike remove()
+    monkeypatch.setattr(deletes_module, "DELETE_BATCH", 2)
+    writer.remove_files(s3.url("run/a.ckpt"), [*names[2:], "missing"])
+    assert _keys_sent(made[2:]) == [
+        [f"run/a.ckpt/{n}" for n in names[2:4]],
+        ["run/a.ckpt/__4_t.distcp", "run/a.ckpt/missing"],
+    ]
     assert s3.keys() == ["run/a.ckpt/meta.pt"]
 
 
-@pytest.mark.parametrize("code", ["SlowDown", "AccessDenied"])
-def test_remove_files_retries_only_the_keys_refused_for_a_while_and_names_one_refused_for_good(s3, monkeypatch, code):
-    for name in ("a", "b", "c"):
+def test_remove_files_retries_only_the_keys_refused_for_a_while_and_names_those_refused_for_good(s3, monkeypatch):
+    for name in ("a", "b", "c", "d"):
         s3.put(f"run/d/{name}", b"x")
     writer = _writer(s3)
 
-    def refuse_b(method, kwargs, response):  # S3 answers 200 and lists the keys it did not delete
-        if kwargs["Delete"]["Objects"][1:2] == [{"Key": "run/d/b"}]:
-            return {**response, "Errors": [{"Key": "run/d/b", "Code": code, "Message": "refused (injected)"}]}
+    def refuse(method, kwargs, response):  # S3 answers 200 and lists the keys it did not delete
+        if len(kwargs["Delete"]["Objects"]) == 4:  # the first request only
+            errors = [
+                {"Key": "run/d/b", "Code": "SlowDown", "Message": "slow down (injected)"},
+                {"Key": "run/d/c", "Code": "AccessDenied", "Message": "refused (injected)"},
+            ]
+            return {**response, "Errors": errors}
         return response
 
-    made = _requests_of(writer, monkeypatch, refuse_b)
-    if code == "SlowDown":
-        writer.remove_files(s3.url("run/d"), ["a", "b", "c"])
-        assert [[o["Key"] for o in kwargs["Delete"]["Objects"]] for _, kwargs in made] == [
-            ["run/d/a", "run/d/b", "run/d/c"],
-            ["run/d/b"],  # the retry sends the refused key alone
-        ]
-        assert s3.keys("run/d") == []
-    else:
-        with pytest.raises(S3WriteError, match=r"removing 3 file.*run/d.*AccessDenied: run/d/b: refused.*credentials"):
-            writer.remove_files(s3.url("run/d"), ["a", "b", "c"])
-        assert len(made) == 1  # a refusal no retry can fix is not retried
+    made = _requests_of(writer, monkeypatch, after=refuse)
+    with pytest.raises(S3WriteError, match=r"removing 4 file.*run/d.*AccessDenied: run/d/c: refused.*credentials"):
+        writer.remove_files(s3.url("run/d"), ["a", "b", "c", "d"])
+    # The retry sends the key refused for a while alone; the one refused for good is not sent again, but named.
+    assert _keys_sent(made) == [["run/d/a", "run/d/b", "run/d/c", "run/d/d"], ["run/d/b"]]
 
 
-def test_remove_files_deletes_one_object_at_a_time_where_deleteobjects_is_not_implemented(s3, monkeypatch):
+@pytest.mark.parametrize("code,status", [("NotImplemented", 501), ("MissingContentMD5", 400)])
+def test_remove_files_deletes_one_object_at_a_time_where_deleteobjects_is_refused(s3, monkeypatch, code, status):
+    """Services that do not implement DeleteObjects, or want the Content-MD5 header botocore no longer sends."""
     from botocore.exceptions import ClientError
 
-    for name in ("a", "b", "c"):
+    for name in ("a", "b", "c", "d"):
         s3.put(f"run/d/{name}", b"x")
     writer = _writer(s3)
 
-    def not_implemented(method, kwargs, response):  # as some S3-compatible services answer
+    def refuse_batches(method, kwargs):
         if method == "delete_objects":
-            error = {"Code": "NotImplemented", "Message": "A header you provided implies functionality not implemented"}
-            raise ClientError({"Error": error, "ResponseMetadata": {"HTTPStatusCode": 501}}, "DeleteObjects")
-        return response
+            error = {
+                "Error": {"Code": code, "Message": "refused (injected)"},
+                "ResponseMetadata": {"HTTPStatusCode": status},
+            }
+            raise ClientError(error, "DeleteObjects")
 
-    made = _requests_of(writer, monkeypatch, not_implemented)
+    made = _requests_of(writer, monkeypatch, before=refuse_batches)
     writer.remove_files(s3.url("run/d"), ["a", "b"])
-    writer.remove_files(s3.url("run/d"), ["c"])  # known now: no second try
-    assert [method for method, _ in made] == ["delete_objects", "delete_object", "delete_object", "delete_object"]
+    writer.remove_files(s3.url("run/d"), ["c", "d"])  # known now: no second try
+    assert [method for method, _ in made] == ["delete_objects"] + ["delete_object"] * 4
     assert s3.keys("run/d") == []
 
 

@@ -375,3 +375,19 @@ def test_one_writer_serves_many_threads_saving_loading_and_removing(harness: Har
         worker.join(JOIN_S)
     assert not any(w.is_alive() for w in workers)
     assert errors == []
+
+
+def test_remove_files_by_default_tries_every_file_then_raises_the_first_error(tmp_path: Path) -> None:
+    """The default of backends without a batch removal: one refusal does not leave the other files behind."""
+
+    class Refusing(LocalWriter):
+        def remove(self, path: str) -> None:
+            if path.endswith("/b"):
+                raise PermissionError(13, "refused (injected)", path)
+            super().remove(path)
+
+    for name in ("a", "b", "c"):
+        (tmp_path / name).write_bytes(b"x")
+    with pytest.raises(PermissionError, match="refused"):
+        Refusing().remove_files(str(tmp_path), ["a", "b", "c"])
+    assert sorted(os.listdir(tmp_path)) == ["b"]

@@ -19,7 +19,9 @@ background thread can deadlock NCCL, and gloo carries a few bytes between thread
 
 A rank whose own shard failed reports that failure (the engine keeps it); every other rank gets one
 :class:`~lightning_datastates.errors.CheckpointFlushError` naming the rank that failed. Removals that ModelCheckpoint
-asks for while saves are pending (rank 0 only) are queued behind them and dropped if one of them fails.
+asks for while saves are pending (rank 0 only) are queued behind them, and dropped if one of them fails or if the
+same path is saved again before they ran (the new checkpoint replaces the old; should the new save fail, the old one
+stays, as with single files).
 
 Why a gloo group and not markers on storage: the exchange costs two small collectives per checkpoint and no storage
 request, a failure reaches every rank at once, and there is nothing to poll or to clean up. A rank that dies leaves
@@ -100,8 +102,9 @@ class _Entry:
 class ShardedCommitter:
     """Commits this rank's sharded saves in order on a thread of its own (see the module docstring).
 
-    Thread model: :meth:`submit`, :meth:`remove_after_pending`, :meth:`wait_path`, :meth:`drain` and
-    :meth:`pop_failure` are called from the training thread; the exchange and the commit run on the committer thread.
+    Thread model: :meth:`submit`, :meth:`remove_after_pending`, :meth:`cancel_removals`, :meth:`wait_path`,
+    :meth:`drain` and :meth:`pop_failure` are called from the training thread; the exchange and the commit run on
+    the committer thread.
     """
 
     def __init__(

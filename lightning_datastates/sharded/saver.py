@@ -137,10 +137,10 @@ class ShardedSaver:
         meta_bytes: bytes | None = None
         failure: BaseException | None = None
         if self.rank == 0:
-            # A removal of this path queued behind pending saves (remove_checkpoint, then a new save of the same
-            # path) must not run once this save has files there: dropped, or waited for if already running.
-            self.committer.cancel_removals(path)
             try:
+                # A removal of this path queued behind pending saves (remove_checkpoint, then a new save of the same
+                # path) must not run once this save has files there: dropped, or waited for if already running.
+                self.committer.cancel_removals(path)
                 meta_bytes = _serialized(meta)  # the non-tensor state as it is now
                 directory = os.path.dirname(path.rstrip("/")) or "."
                 if directory not in self._cleaned:

@@ -103,10 +103,16 @@ class StorageWriter(ABC):
         :meth:`remove`; a backend that deletes several files in one request overrides it (S3: ``DeleteObjects``).
 
         Raises:
-            OSError: a file could not be removed (those after it in ``names`` may be left too).
+            OSError: a file could not be removed (the first such error, once every other file was tried).
         """
+        first: OSError | None = None
         for name in names:
-            self.remove(f"{directory.rstrip('/')}/{name}")
+            try:
+                self.remove(f"{directory.rstrip('/')}/{name}")
+            except OSError as exc:
+                first = first or exc
+        if first is not None:
+            raise first
 
     def create_marker(self, path: str) -> None:
         """Create an empty file at ``path`` whose name is all it says (a sharded save's in-flight marker): visible to

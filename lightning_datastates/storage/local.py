@@ -219,10 +219,13 @@ class LocalWriter(StorageWriter):
         return os.path.exists(local_path(path))
 
     def create_marker(self, path: str) -> None:
-        """An empty file, made by one ``open``, with no fsync: every :meth:`LocalWriteSession.complete` in the same
-        directory fsyncs the directory, and with it this earlier entry (a journaling file system commits a directory's
-        operations in order; the file has no data to flush). A durable marker costs two fsyncs and a directory fsync,
-        each tens of milliseconds while an earlier checkpoint's writes keep the disk busy, on the training thread."""
+        """An empty file, made by one ``open``, with no fsync. What orders it before the files it marks: on a file
+        system with one journal for all metadata (ext4, XFS), any fsync commits every earlier namespace operation,
+        this create among them, and every file of the save is fsynced before it is renamed into place; an NFS server
+        commits a create before it answers. Elsewhere (btrfs, Lustre with directories striped over several metadata
+        targets) a power loss in that window can leave the save's files unmarked: never a checkpoint (no ``meta.pt``),
+        but left to the user. A durable marker costs two fsyncs and a directory fsync, each tens of milliseconds
+        while an earlier checkpoint's writes keep the disk busy, on the training thread."""
         path = local_path(path)
         directory = os.path.dirname(path) or "."
         with _unwritable_directory_named(directory):

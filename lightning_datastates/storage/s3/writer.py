@@ -2,7 +2,8 @@
 
 It ties together the part plan (:mod:`~lightning_datastates.storage.s3.parts`), the upload session
 (:mod:`~lightning_datastates.storage.s3.session`), the client (:mod:`~lightning_datastates.storage.s3.client`), the
-ranged reads (:mod:`~lightning_datastates.storage.s3.reads`) and the upload markers
+ranged reads (:mod:`~lightning_datastates.storage.s3.reads`), the deletion of a directory's files
+(:mod:`~lightning_datastates.storage.s3.deletes`) and the upload markers
 (:mod:`~lightning_datastates.storage.s3.markers`).
 
 One writer serves many paths, saves, loads and threads: it owns its client (two s3fs file systems and their
@@ -12,7 +13,6 @@ seen exist.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from collections.abc import Hashable, Sequence
@@ -22,20 +22,17 @@ from lightning_datastates.config import Size, parse_size
 from lightning_datastates.errors import ConfigError
 from lightning_datastates.storage.base import DirectoryEntry, StorageWriter
 from lightning_datastates.storage.leftovers import DEFAULT_STALE_AGE_S
-from lightning_datastates.storage.s3 import reads
+from lightning_datastates.storage.s3 import deletes, reads
 from lightning_datastates.storage.s3.client import (
     ERROR_HINTS,
     S3Client,
     S3NotFoundError,
     check_s3_options,
-    error_code,
     split_tunables,
 )
 from lightning_datastates.storage.s3.markers import OPEN_UPLOADS, clean_stale_uploads, write_marker
 from lightning_datastates.storage.s3.parts import MiB, plan_parts
 from lightning_datastates.storage.s3.session import S3WriteSession
-
-log = logging.getLogger("lightning_datastates")
 
 
 class S3Writer(StorageWriter):
@@ -84,8 +81,8 @@ class S3Writer(StorageWriter):
         self._client = self._new_client()
         #: Buckets known to exist: the check costs one request per bucket and writer.
         self._known_buckets: set[str] = set()
-        #: Whether the service takes ``DeleteObjects`` (some S3-compatible ones answer NotImplemented).
-        self._deletes_in_batches = True
+        #: Whether the service takes ``DeleteObjects`` requests (learned at the first refusal).
+        self._delete_support = deletes.DeleteSupport()
 
     @classmethod
     def from_storage_options(cls, storage_options: dict[str, Any] | None) -> S3Writer:
@@ -193,51 +190,14 @@ class S3Writer(StorageWriter):
             client.invalidate(path)
 
     def remove_files(self, directory: str, names: Sequence[str]) -> None:
-        """Delete the objects ``directory/name`` in one ``DeleteObjects`` request per 1000: files only, so without
-        the listing :meth:`remove` makes for a directory; missing ones are fine. A sharded commit removes its files
-        this way (one request where :meth:`remove` makes two per file).
-
-        A service that does not implement ``DeleteObjects`` (some S3-compatible ones answer ``NotImplemented``) gets
-        one ``DeleteObject`` per file instead, from then on.
+        """Delete the objects ``directory/name``: files only, so without the listing :meth:`remove` makes for a
+        directory; one ``DeleteObjects`` request per 1000 keys (see :mod:`~lightning_datastates.storage.s3.deletes`);
+        missing ones are fine. A sharded commit removes its files this way.
 
         Raises:
-            S3WriteError: a request failed, or S3 refused to delete an object (its key, code and message named),
-                after retries for transient refusals (``SlowDown``, ``InternalError``: only the refused keys are sent
-                again).
+            S3WriteError: a request failed, or S3 refused to delete some objects (the first named).
         """
-        client = self.client
-        bucket, key = client.split(directory)
-        prefix = key.rstrip("/") + "/" if key else ""
-        pending = [prefix + name for name in names]  # what no request has deleted yet; retries resend only these
-
-        async def delete() -> None:
-            while pending:
-                if not self._deletes_in_batches:
-                    await client.call("delete_object", Bucket=bucket, Key=pending[0])
-                    del pending[0]
-                    continue
-                batch = pending[:_DELETE_BATCH]
-                request = {"Objects": [{"Key": k} for k in batch], "Quiet": True}
-                try:
-                    response = await client.call("delete_objects", Bucket=bucket, Delete=request)
-                except Exception as exc:
-                    if error_code(exc) != "NotImplemented":
-                        raise
-                    log.info("lightning_datastates: %s takes no DeleteObjects; deleting one object at a time", bucket)
-                    self._deletes_in_batches = False
-                    continue
-                refused = [e for e in response.get("Errors", []) if e.get("Code") != "NoSuchKey"]
-                del pending[: len(batch)]
-                if refused:
-                    pending[:0] = [str(e.get("Key")) for e in refused]
-                    raise _DeleteRefused(refused)
-
-        if not pending:
-            return
-        try:
-            client.run(f"removing {len(pending)} file(s) of {directory}", delete, missing_ok=True)
-        finally:
-            client.invalidate(directory)
+        deletes.delete_files(self.client, directory, names, self._delete_support)
 
     def list_directory(self, path: str) -> list[DirectoryEntry]:
         """The objects and common prefixes directly under ``path/`` (one ``ListObjectsV2`` per 1000 entries).
@@ -322,21 +282,6 @@ class S3Writer(StorageWriter):
         """Bytes per ranged GET for an object of ``size`` bytes (see
         :func:`~lightning_datastates.storage.s3.reads.range_bytes_for`)."""
         return reads.range_bytes_for(size, self.max_concurrent_parts, self.read_range_bytes)
-
-
-#: The most keys one ``DeleteObjects`` request may name.
-_DELETE_BATCH = 1000
-
-
-class _DeleteRefused(OSError):
-    """S3 answered a ``DeleteObjects`` request but refused some of its keys: the first refusal, in the shape of a
-    botocore error (``response``), so that the client's retry rule and messages treat it as any other."""
-
-    def __init__(self, refused: list[dict[str, Any]]) -> None:
-        first = refused[0]
-        code, message = first.get("Code"), first.get("Message")
-        super().__init__(f"{len(refused)} object(s) not deleted, the first {first.get('Key')}: {code} {message}")
-        self.response = {"Error": {"Code": code, "Message": f"{first.get('Key')}: {message}"}, "ResponseMetadata": {}}
 
 
 async def _delete_prefix(client: S3Client, bucket: str, prefix: str) -> None:
