@@ -24,6 +24,7 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -99,6 +100,18 @@ class S3Env:
 
     def put(self, key: str, data: bytes) -> None:
         self.client.put_object(Bucket=self.bucket, Key=key, Body=data)
+
+    def download(self, prefix: str, local: Path) -> Path:
+        """The objects under ``prefix/``, as files of the new local directory ``local`` (for readers of local files)."""
+        local.mkdir(parents=True)
+        for key in self.keys(prefix + "/"):
+            (local / key[len(prefix) + 1 :]).write_bytes(self.read(key) or b"")
+        return local
+
+    def upload(self, local: Path, prefix: str) -> None:
+        """The files of the local directory ``local`` as objects under ``prefix/``."""
+        for path in local.iterdir():
+            self.put(f"{prefix}/{path.name}", path.read_bytes())
 
     def etag(self, key: str) -> str:
         return self.client.head_object(Bucket=self.bucket, Key=key)["ETag"]

@@ -29,6 +29,10 @@ from lightning_datastates.sharded.publish import (
 from lightning_datastates.sharded.staging import stage_shard
 from lightning_datastates.storage import LocalWriter
 from tests.conftest import assert_bit_equal
+from tests.s3_server import (  # noqa: F401 - the *_fixture imports register the fixtures
+    s3_endpoint_fixture,
+    s3_fixture,
+)
 from tests.test_sharded_parts import _dead_pid, _write
 
 #: The storage operations of a commit, in order: the record written, ``meta.pt`` removed, ``.metadata`` and
@@ -220,6 +224,39 @@ def test_a_commit_record_naming_a_missing_shard_file_is_kept_as_it_is(tmp_path):
     before = sorted(os.listdir(directory))
     assert clean_sharded_leftovers(LocalWriter(), str(tmp_path), max_age_s=3600) == []
     assert sorted(os.listdir(directory)) == before and COMMIT_RECORD_NAME in before
+
+
+@pytest.mark.parametrize("done", range(SWITCH_STEPS + 1))
+def test_on_s3_the_cleanup_leaves_one_whole_checkpoint_after_a_switch_stopped_anywhere(tmp_path, s3, done):
+    """The same switch of ``last.ckpt`` from step 1 to step 2 on S3 (moto), stopped after ``done`` of its storage
+    operations by a run that died (its marker left, naming a dead process): the next run's cleanup, through the S3
+    writer (listing, the record read back, single-key and batch deletes, PUTs), leaves step 1 where ``meta.pt`` had
+    not been removed yet, step 2 from then on, and nothing else in the directory."""
+    from lightning_datastates.storage.leftovers import host_tag
+    from lightning_datastates.storage.s3 import S3Writer
+
+    local = tmp_path / "local" / "last.ckpt"
+    local.mkdir(parents=True)
+    plans = ArchivePlans(None)
+    _committed(str(local), 1, plans)
+    second = _saved(str(local), 2, plans)
+    prefix = f"publish-{done}/run/last.ckpt"
+    s3.upload(local, prefix)
+    writer, url = S3Writer(s3.storage_options, retries=1, timeout_s=10), s3.url(prefix)
+    metadata_bytes, meta_bytes = second.planned.metadata_bytes, second.meta_bytes
+    steps = [
+        lambda: write_commit_record(writer, url, metadata_bytes, meta_bytes),
+        lambda: writer.remove_files(url, [LIGHTNING_META_NAME]),
+        lambda: s3.put(f"{prefix}/{DCP_METADATA_NAME}", metadata_bytes),
+        lambda: s3.put(f"{prefix}/{LIGHTNING_META_NAME}", meta_bytes),
+        lambda: writer.remove_files(url, [COMMIT_RECORD_NAME]),
+    ]
+    assert len(steps) == SWITCH_STEPS
+    for step in steps[:done]:
+        step()
+    s3.put(f"{prefix}/.commit.{host_tag()}.{_dead_pid()}.deadbeef.datastates-pending", b"")
+    clean_sharded_leftovers(writer, s3.url(f"publish-{done}/run"), max_age_s=3600)
+    assert _checkpoint_step(str(s3.download(prefix, tmp_path / "read" / "last.ckpt"))) == (1 if done < 2 else 2)
 
 
 def _as_the_next_run_finds_it(marker: str) -> None:

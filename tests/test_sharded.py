@@ -415,7 +415,7 @@ def test_a_rank_killed_mid_flush_on_s3_leaves_no_checkpoint_and_the_next_run_cle
     for directory, names in directories.items():  # nothing DCP would take for a checkpoint without meta.pt either
         assert "meta.pt" in names or ".metadata" not in names, (directory, names)
     for directory in committed:  # the earlier checkpoints are whole: each as at its save call, bit for bit
-        local = _download(s3, f"{prefix}/{directory}", tmp_path / "from-s3" / directory)
+        local = s3.download(f"{prefix}/{directory}", tmp_path / "from-s3" / directory)
         assert_bit_equal(_read_with_dcp(local, tmp_path), _expected(tmp_path, _step_of(local), 2), directory)
     _run(tmp_path / "next", "--world", "2", "--epochs", "1", *args)
     for directory, names in _s3_directories(s3, prefix).items():
@@ -428,14 +428,6 @@ def test_a_rank_killed_mid_flush_on_s3_leaves_no_checkpoint_and_the_next_run_cle
         }
         assert set(names) == named | {".metadata", "meta.pt"}, (directory, sorted(names))
     assert [u for u in s3.open_uploads() if prefix in u] == []
-
-
-def _download(s3, directory: str, local: pathlib.Path) -> pathlib.Path:
-    """The objects under ``directory/`` in the bucket, as files of the local directory ``local`` (DCP's reader)."""
-    local.mkdir(parents=True)
-    for key in s3.keys(directory + "/"):
-        (local / key[len(directory) + 1 :]).write_bytes(s3.read(key))
-    return local
 
 
 def _s3_directories(s3, prefix: str) -> dict[str, list[str]]:
