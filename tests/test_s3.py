@@ -280,6 +280,23 @@ def test_remove_files_retries_only_the_keys_refused_for_a_while_and_names_those_
     assert _keys_sent(made) == [["run/d/a", "run/d/b", "run/d/c", "run/d/d"], ["run/d/b"]]
 
 
+def test_remove_of_a_directory_refused_in_part_raises_instead_of_reporting_it_removed(s3, monkeypatch):
+    """A DeleteObjects answer listing a key S3 did not delete (here meta.pt): the removal of a sharded checkpoint's
+    directory must not report success over a directory holding part of a checkpoint."""
+    for name in ("__0_t.distcp", "__1_t.distcp", "meta.pt"):
+        s3.put(f"run/a.ckpt/{name}", b"x")
+    writer = _writer(s3)
+
+    def refuse_meta(method, kwargs, response):
+        if method == "delete_objects":
+            return {**response, "Errors": [{"Key": "run/a.ckpt/meta.pt", "Code": "AccessDenied", "Message": "no"}]}
+        return response
+
+    _requests_of(writer, monkeypatch, after=refuse_meta)
+    with pytest.raises(S3WriteError, match=r"removing s3://.*run/a.ckpt failed: AccessDenied: run/a.ckpt/meta.pt"):
+        writer.remove(s3.url("run/a.ckpt"))
+
+
 @pytest.mark.parametrize("code,status", [("NotImplemented", 501), ("MissingContentMD5", 400)])
 def test_remove_files_deletes_one_object_at_a_time_where_deleteobjects_is_refused(s3, monkeypatch, code, status):
     """Services that do not implement DeleteObjects, or want the Content-MD5 header botocore no longer sends."""

@@ -10,7 +10,7 @@ the caller waits.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,19 +50,57 @@ def delete_files(client: S3Client, directory: str, names: Sequence[str], support
     keys = [prefix + name for name in names]
     refused: list[dict[str, Any]] = []
     try:
-        for start in range(0, len(keys), DELETE_BATCH):
-            batch = keys[start : start + DELETE_BATCH]
-            if len(batch) > 1 and support.batches:
-                if _delete_batch(client, bucket, batch, refused):
-                    continue
-                log.info("lightning_datastates: s3://%s takes no DeleteObjects; deleting one object at a time", bucket)
-                support.batches = False
-            for one in batch:
-                _delete_one(client, bucket, one)
+        _delete_keys(client, bucket, keys, support, refused)
     finally:
         client.invalidate(directory)
     if refused:
         raise S3WriteError(f"removing {len(keys)} file(s) of {directory} failed: {describe(_DeleteRefused(refused))}")
+
+
+def delete_tree(client: S3Client, path: str, support: DeleteSupport) -> None:
+    """Delete the object at ``path`` and every object under ``path/`` (a sharded checkpoint's directory); missing
+    is fine. Each page of the listing (1000 keys) is deleted before the next is asked for.
+
+    Raises:
+        S3WriteError: a request failed, or S3 refused to delete some objects (the first named): a directory that
+            could not be removed whole is never reported removed.
+    """
+    bucket, key = client.split(path)
+    key = key.rstrip("/")
+    refused: list[dict[str, Any]] = []
+    try:
+        _delete_one(client, bucket, key)
+        token: dict[str, str] = {}
+        while True:
+            page = client.run(f"listing {path}/", _lister(client, bucket, key + "/", token), missing_ok=True) or {}
+            _delete_keys(client, bucket, [item["Key"] for item in page.get("Contents", [])], support, refused)
+            if not page.get("IsTruncated"):
+                break
+            token = {"ContinuationToken": page["NextContinuationToken"]}
+    finally:
+        client.invalidate(path)
+    if refused:
+        raise S3WriteError(f"removing {path} failed: {describe(_DeleteRefused(refused))}")
+
+
+def _lister(client: S3Client, bucket: str, prefix: str, token: dict[str, str]) -> Callable[[], Awaitable[Any]]:
+    """One listing request of the keys under ``prefix``, from ``token`` on."""
+    return lambda: client.call("list_objects_v2", Bucket=bucket, Prefix=prefix, **token)
+
+
+def _delete_keys(
+    client: S3Client, bucket: str, keys: list[str], support: DeleteSupport, refused: list[dict[str, Any]]
+) -> None:
+    """Delete ``keys``, in batches where the service takes them; what S3 refused for good goes into ``refused``."""
+    for start in range(0, len(keys), DELETE_BATCH):
+        batch = keys[start : start + DELETE_BATCH]
+        if len(batch) > 1 and support.batches:
+            if _delete_batch(client, bucket, batch, refused):
+                continue
+            log.info("lightning_datastates: s3://%s takes no DeleteObjects; deleting one object at a time", bucket)
+            support.batches = False
+        for one in batch:
+            _delete_one(client, bucket, one)
 
 
 def _delete_one(client: S3Client, bucket: str, key: str) -> None:

@@ -155,10 +155,30 @@ class S3Writer(StorageWriter):
 
     # ------------------------------------------------------------------ committed objects
     def exists(self, path: str) -> bool:
-        """Whether an object (or a "directory" prefix) exists at ``path``; asks S3, not a listing cache."""
+        """Whether an object (or a "directory" prefix) exists at ``path``; asks S3 (a HEAD, then a listing of one
+        key), not a listing cache, with this writer's timeout and retries.
+
+        Raises:
+            S3WriteError: a request failed (after retries).
+        """
         client = self.client
-        client.invalidate(path)
-        return bool(client.fs.exists(client.strip(path)))
+        bucket, key = client.split(path)
+        key = key.rstrip("/")
+        if not key:
+            client.invalidate(path)
+            return bool(client.fs.exists(client.strip(path)))  # a bucket
+        found = client.run(
+            f"looking up {path}", lambda: client.call("head_object", Bucket=bucket, Key=key), missing_ok=True
+        )
+        if found is not None:
+            return True
+        prefix = key + "/"
+        page = client.run(
+            f"listing {path}/",
+            lambda: client.call("list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=1),
+            missing_ok=True,
+        )
+        return bool(page and page.get("Contents"))
 
     def fingerprint(self, path: str) -> Hashable | None:
         """ETag, size and modification time of the object at ``path`` (one HEAD request); None if it is missing."""
@@ -174,20 +194,12 @@ class S3Writer(StorageWriter):
         """Delete the object at ``path`` and every object under ``path/`` (sharded checkpoints); missing is fine.
 
         Raises:
-            S3WriteError: a delete request failed.
+            S3WriteError: a request failed, or S3 refused to delete some objects (the first named).
         """
         client = self.client
-        bucket, key = client.split(path)
-        if not key:
+        if not client.split(path)[1]:
             raise ValueError(f"refusing to remove the whole bucket {path}")
-        key = key.rstrip("/")
-        try:
-            client.run(
-                f"removing {path}", lambda: client.call("delete_object", Bucket=bucket, Key=key), missing_ok=True
-            )
-            client.run(f"removing {path}/", lambda: _delete_prefix(client, bucket, key + "/"), missing_ok=True)
-        finally:
-            client.invalidate(path)
+        deletes.delete_tree(client, path, self._delete_support)
 
     def remove_files(self, directory: str, names: Sequence[str]) -> None:
         """Delete the objects ``directory/name``: files only, so without the listing :meth:`remove` makes for a
@@ -282,18 +294,6 @@ class S3Writer(StorageWriter):
         """Bytes per ranged GET for an object of ``size`` bytes (see
         :func:`~lightning_datastates.storage.s3.reads.range_bytes_for`)."""
         return reads.range_bytes_for(size, self.max_concurrent_parts, self.read_range_bytes)
-
-
-async def _delete_prefix(client: S3Client, bucket: str, prefix: str) -> None:
-    token: dict[str, str] = {}
-    while True:
-        listing = await client.call("list_objects_v2", Bucket=bucket, Prefix=prefix, **token)
-        keys = [{"Key": item["Key"]} for item in listing.get("Contents", [])]
-        if keys:
-            await client.call("delete_objects", Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
-        if not listing.get("IsTruncated"):
-            return
-        token = {"ContinuationToken": listing["NextContinuationToken"]}
 
 
 def _check_int(value: Any, name: str, low: int, high: int) -> int:
