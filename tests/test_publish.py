@@ -208,6 +208,31 @@ def test_the_next_save_after_a_switch_stopped_half_way_finishes_it_first(tmp_pat
     assert _checkpoint_step(str(directory)) == (3 if next_fails_at is None else 2)
 
 
+@pytest.mark.parametrize("lost", ["everything", "the shard files"])
+def test_a_directory_emptied_after_a_switch_stopped_half_way_takes_the_next_save(tmp_path, lost):
+    """Step 2's switch stops half-way; then the directory loses its files (removed by hand, or an S3 server that lost
+    them): nothing can be finished, and the next save of the directory commits instead of failing for the rest of
+    the run."""
+    directory = tmp_path / "last.ckpt"
+    directory.mkdir()
+    plans = ArchivePlans(None)
+    _committed(str(directory), 1, plans)
+    second = _saved(str(directory), 2, plans)
+    writers: list[LocalWriter] = [_FaultyWriter(2, _refuse)]
+    committer = ShardedCommitter(None, 0, lambda path: None, lambda path: writers[0])
+    save = ShardedSave(str(directory), None, second.staged, second.meta_bytes, None)
+    assert committer._publish(save, second.planned, (second.file,))[1] is False
+    kept = {COMMIT_RECORD_NAME} if lost == "the shard files" else set()
+    for name in set(os.listdir(directory)) - kept:
+        os.remove(directory / name)
+    writers[0] = LocalWriter()
+    for step in (3, 4):
+        saved = _saved(str(directory), step, plans)
+        save = ShardedSave(str(directory), None, saved.staged, saved.meta_bytes, None)
+        assert committer._publish(save, saved.planned, (saved.file,)) == (None, True)
+        assert _checkpoint_step(str(directory)) == step
+
+
 def test_a_commit_record_naming_a_missing_shard_file_is_kept_as_it_is(tmp_path):
     """A record whose shard files are not all there was not written by a commit of this package as it should be:
     the cleanup changes nothing rather than make a checkpoint of it."""

@@ -282,8 +282,10 @@ class ShardedCommitter:
                 # An earlier save's switch of this directory stopped half-way: finish it from its record first, so
                 # that this save starts from a whole checkpoint and never overwrites the only record of one.
                 names = {entry.name for entry in writer.list_directory(save.path)}
-                if LIGHTNING_META_NAME not in names and not complete_or_keep(writer, save.path, names):
-                    raise RuntimeError(f"{save.path} holds neither {LIGHTNING_META_NAME} nor a commit record")
+                if LIGHTNING_META_NAME not in names and not _finished(writer, save.path, names):
+                    # Its record is gone, or names shard files that are gone (removed by hand): nothing there can
+                    # become a whole checkpoint again, so nothing is kept for it; this save makes the directory one.
+                    log.warning("lightning_datastates: nothing to finish in %s; this save replaces it", save.path)
                 self._half_way.discard(save.path)
             earlier = _files_of(writer, join_path(save.path, DCP_METADATA_NAME))
             write_commit_record(writer, save.path, planned.metadata_bytes, save.meta_bytes)
@@ -342,6 +344,16 @@ class ShardedCommitter:
             if error is not None:
                 self._failures.append(error)
             self._failure_count += 1
+
+
+def _finished(writer: StorageWriter, directory: str, names: set[str]) -> bool:
+    """:func:`complete_or_keep`, False also where the record names shard files that are gone (storage errors are
+    raised: the directory may still be finished later)."""
+    try:
+        return complete_or_keep(writer, directory, names)
+    except ValueError as exc:
+        log.warning("lightning_datastates: the commit record of %s cannot be finished: %s", directory, exc)
+        return False
 
 
 def _files_of(writer: StorageWriter, metadata_path: str) -> list[str]:
