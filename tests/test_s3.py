@@ -16,11 +16,13 @@ import threading
 import time
 from typing import Any
 
+import fsspec
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_datastates import CheckpointFlushError, DataStatesIO
+from lightning_datastates.compat.lightning import override_file_exists
 from lightning_datastates.errors import ConfigError
 from lightning_datastates.load.reader import load_checkpoint
 from lightning_datastates.storage import writer_for
@@ -631,6 +633,20 @@ def test_fit_with_ckpt_path_last_resumes_from_last_ckpt_on_s3(s3, tmp_path):
     assert resumed.global_step == 16
     uninterrupted = fit("uninterrupted", 2, into="s3://bucket/uninterrupted")
     assert_bit_equal(resumed.lightning_module.state_dict(), uninterrupted.lightning_module.state_dict(), "resumed")
+
+
+def test_modelcheckpoint_asks_storage_not_its_listing_cache_whether_a_file_exists(s3, tmp_path):
+    """ModelCheckpoint's own s3fs instance caches listings (resolving ``ckpt_path="last"`` lists the directory); the
+    plugin's writers change storage behind it, so a file they removed must not count as existing (ModelCheckpoint
+    would save ``last-v1.ckpt`` instead of ``last.ckpt``)."""
+    s3.put("cached/last.ckpt", b"x")
+    checkpoint = ModelCheckpoint(dirpath=s3.url("cached"))
+    trainer = make_trainer(str(tmp_path), DataStatesIO(storage_options=s3.storage_options), callbacks=[checkpoint])
+    checkpoint._fs = fsspec.filesystem("s3", **s3.storage_options)  # as Lightning makes it
+    assert "last.ckpt" in str(checkpoint._fs.ls(s3.url("cached")))  # listed, so cached
+    override_file_exists(checkpoint, lambda path, exists: exists)
+    s3.client.delete_object(Bucket=s3.bucket, Key="cached/last.ckpt")  # behind the cache, as the plugin's writers do
+    assert not checkpoint.file_exists(s3.url("cached/last.ckpt"), trainer)
 
 
 def test_the_last_checkpoint_at_a_url_skips_a_directory_that_is_no_checkpoint(s3):

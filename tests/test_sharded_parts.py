@@ -29,6 +29,7 @@ from lightning_datastates.sharded.commit import LIGHTNING_META_NAME, ShardedSave
 from lightning_datastates.sharded.dcp_writer import DCP_METADATA_NAME, plan_checkpoint
 from lightning_datastates.sharded.layout import ArchivePlans, plan_shard_file
 from lightning_datastates.sharded.leftovers import PENDING_SUFFIX, clean_sharded_leftovers, mark_pending
+from lightning_datastates.sharded.publish import write_commit_record
 from lightning_datastates.sharded.saver import ShardedSaver
 from lightning_datastates.sharded.staging import LocalPlans, stage_shard
 from lightning_datastates.storage import LocalWriter
@@ -236,10 +237,13 @@ def test_a_run_resumes_from_a_sharded_checkpoint_at_a_url(tmp_path, s3, monkeypa
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
-def test_fit_with_ckpt_path_last_resumes_from_the_sharded_last_checkpoint(tmp_path, s3, monkeypatch, where):
+@pytest.mark.parametrize("half_way", [False, True], ids=["committed", "switch-stopped-half-way"])
+def test_fit_with_ckpt_path_last_resumes_from_the_sharded_last_checkpoint(tmp_path, s3, monkeypatch, where, half_way):
     """``fit(ckpt_path="last")`` finds the sharded ``last.ckpt`` directory the plugin saved and resumes from it: the
     weights of an uninterrupted run. On S3 Lightning alone finds nothing there (it drops the protocol of what it lists,
-    Lightning-AI/pytorch-lightning#18261, and a directory has no modification time): the plugin resolves it."""
+    Lightning-AI/pytorch-lightning#18261, and a directory has no modification time): the plugin resolves it.
+    ``half_way``: the run died in the switch of ``last.ckpt`` (``meta.pt`` removed, the commit record there, its marker
+    left): it is still the last checkpoint, finished by the new run's cleanup before it is loaded."""
     if where == "s3":
         options, directory = s3.storage_options, s3.url(f"last-{time.monotonic_ns()}")
     else:
@@ -253,6 +257,15 @@ def test_fit_with_ckpt_path_last_resumes_from_the_sharded_last_checkpoint(tmp_pa
         )
 
     fit("first", 1)
+    if half_way:
+        last = f"{directory}/last.ckpt"
+        writer = DataStatesIO(storage_options=options).writer_for(last)
+        metadata, meta = (
+            bytes(writer.read_bytes(f"{last}/{name}")) for name in (DCP_METADATA_NAME, LIGHTNING_META_NAME)
+        )
+        write_commit_record(writer, last, metadata, meta)
+        writer.remove_files(last, [LIGHTNING_META_NAME])
+        writer.create_marker(f"{last}/.commit.{host_tag()}.{_dead_pid()}.deadbeef{PENDING_SUFFIX}")
     resumed = fit("resumed", 2, "last")
     assert resumed.ckpt_path == f"{directory}/last.ckpt"  # not a fresh start, which would end with the same weights
     assert resumed.global_step == 8

@@ -33,7 +33,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.callbacks.on_exception_checkpoint import OnExceptionCheckpoint
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
-from lightning_datastates.sharded.publish import LIGHTNING_META_NAME
+from lightning_datastates.sharded.publish import COMMIT_RECORD_NAME, LIGHTNING_META_NAME
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
@@ -87,12 +87,16 @@ def _is_local(fs: Any) -> bool:
 
 
 def _modified_s(fs: Any, path: str) -> float | None:
-    """When the checkpoint at ``path`` was last written (a sharded directory: its ``meta.pt``), in seconds since the
-    epoch; None if there is no checkpoint there."""
+    """When the checkpoint at ``path`` was last written (a sharded directory: its ``meta.pt``, or the commit record
+    of a switch to a new checkpoint that a dead run left half-way, which the cleanup at setup finishes before any
+    load), in seconds since the epoch; None if there is no checkpoint there."""
+    fs.invalidate_cache(path)  # our writers change storage behind this file system's listing cache
     if not fs.exists(path):
         return None
     if fs.isdir(path):
-        path = f"{path.rstrip('/')}/{LIGHTNING_META_NAME}"
-        if not fs.exists(path):
+        found = [f"{path.rstrip('/')}/{name}" for name in (LIGHTNING_META_NAME, COMMIT_RECORD_NAME)]
+        found = [marked for marked in found if fs.exists(marked)]
+        if not found:
             return None
+        path = found[0]
     return float(fs.modified(path).timestamp())

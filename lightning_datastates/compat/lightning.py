@@ -49,7 +49,12 @@ def override_file_exists(checkpoint_callback: ModelCheckpoint, counts_as_existin
     """
 
     def file_exists(callback: ModelCheckpoint, filepath: Any, trainer: Trainer) -> bool:
-        local = bool(trainer.is_global_zero and counts_as_existing(filepath, callback._fs.exists(filepath)))
+        local = False
+        if trainer.is_global_zero:
+            # The plugin's writers change storage behind this file system's listing cache (s3fs keeps one per
+            # instance, and Lightning's instance is not the writers'): ask storage, not the cache.
+            callback._fs.invalidate_cache(str(filepath))
+            local = bool(counts_as_existing(filepath, callback._fs.exists(filepath)))
         return trainer.strategy.reduce_boolean_decision(local, all=False)
 
     checkpoint_callback.file_exists = types.MethodType(file_exists, checkpoint_callback)  # type: ignore[method-assign]
