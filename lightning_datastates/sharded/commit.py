@@ -213,7 +213,8 @@ class ShardedCommitter:
                 else:
                     self._commit(entry.item)
             except BaseException:
-                log.exception("lightning_datastates: committing %s failed", getattr(entry.item, "path", "?"))
+                doing = "removing" if isinstance(entry.item, _Removal) else "committing"
+                log.exception("lightning_datastates: %s %s failed", doing, entry.item.path)
             finally:
                 with self._lock:
                     self._pending.remove(entry)
