@@ -94,9 +94,9 @@ def _modified_s(fs: Any, path: str) -> float | None:
     if not fs.exists(path):
         return None
     if fs.isdir(path):
-        found = [f"{path.rstrip('/')}/{name}" for name in (LIGHTNING_META_NAME, COMMIT_RECORD_NAME)]
-        found = [marked for marked in found if fs.exists(marked)]
-        if not found:
+        dated_by = (f"{path.rstrip('/')}/{name}" for name in (LIGHTNING_META_NAME, COMMIT_RECORD_NAME))
+        found = next((file for file in dated_by if fs.exists(file)), None)  # the record asked for only without meta.pt
+        if found is None:
             return None
-        path = found[0]
+        path = found
     return float(fs.modified(path).timestamp())

@@ -38,7 +38,7 @@ import pickle
 import struct
 
 from lightning_datastates.sharded.dcp_writer import DCP_METADATA_NAME, join_path
-from lightning_datastates.storage.base import StorageWriter
+from lightning_datastates.storage.base import StorageWriter, write_file
 
 #: Lightning's file in a sharded checkpoint directory (``lightning.fabric.utilities.load._METADATA_FILENAME``): it
 #: makes the directory a checkpoint for Lightning's load.
@@ -48,17 +48,6 @@ LIGHTNING_META_NAME = "meta.pt"
 COMMIT_RECORD_NAME = ".datastates-commit"
 _RECORD_MAGIC = b"LDSCOMMIT1"
 _LENGTH = struct.Struct("<Q")
-
-
-def write_file(writer: StorageWriter, path: str, data: bytes) -> None:
-    """Write a small file through ``writer``: durable and visible at once, or not at all."""
-    session = writer.begin(path, len(data))
-    try:
-        session.write_range(0, memoryview(data))
-        session.complete()
-    except BaseException:
-        session.abort()
-        raise
 
 
 def encode_record(metadata_bytes: bytes, meta_bytes: bytes) -> bytes:

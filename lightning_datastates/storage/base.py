@@ -35,7 +35,7 @@ from typing import BinaryIO
 
 from lightning_datastates.storage.leftovers import DEFAULT_STALE_AGE_S
 
-__all__ = ["DEFAULT_STALE_AGE_S", "DirectoryEntry", "StorageWriter", "WriteSession"]
+__all__ = ["DEFAULT_STALE_AGE_S", "DirectoryEntry", "StorageWriter", "WriteSession", "write_file"]
 
 
 @dataclass(frozen=True)
@@ -123,12 +123,7 @@ class StorageWriter(ABC):
         Raises:
             OSError: the file could not be created (the error names the path).
         """
-        session = self.begin(path, 0)
-        try:
-            session.complete()
-        except BaseException:
-            session.abort()
-            raise
+        write_file(self, path, b"")
 
     @abstractmethod
     def open_read(self, path: str) -> BinaryIO:
@@ -178,3 +173,14 @@ class StorageWriter(ABC):
         This process's own writes in flight and committed checkpoints are never touched. Missing directories are
         fine (nothing to clean).
         """
+
+
+def write_file(writer: StorageWriter, path: str, data: bytes) -> None:
+    """Write a small file through ``writer``: durable and visible at once, or not at all."""
+    session = writer.begin(path, len(data))
+    try:
+        session.write_range(0, memoryview(data))
+        session.complete()
+    except BaseException:
+        session.abort()
+        raise
