@@ -135,6 +135,31 @@ def test_dead_sharded_saves_are_removed_and_committed_checkpoints_kept(tmp_path)
     assert str(uncommitted) in removed and str(resaved / "__0_new.distcp") in removed
 
 
+class _RefusingShardRemovals(LocalWriter):
+    """Refuses to remove shard files (the fault: a storage error in the middle of a cleanup)."""
+
+    def remove_files(self, directory, names):
+        if any(name.endswith(".distcp") for name in names):
+            raise PermissionError("refused")
+        super().remove_files(directory, names)
+
+
+def test_a_cleanup_that_fails_half_way_leaves_the_directory_marked_for_the_next_run(tmp_path):
+    resaved = tmp_path / "last.ckpt"  # a committed checkpoint and the files of a re-save that died
+    resaved.mkdir()
+    (resaved / DCP_METADATA_NAME).write_bytes(pickle.dumps(_Metadata({"item": _StorageInfo("__0_old.distcp")})))
+    (resaved / LIGHTNING_META_NAME).write_bytes(b"meta")
+    (resaved / "__0_old.distcp").write_bytes(b"old")
+    (resaved / "__0_new.distcp").write_bytes(b"new")
+    _dead_marker(resaved)
+    with pytest.raises(PermissionError):
+        clean_sharded_leftovers(_RefusingShardRemovals(), str(tmp_path), max_age_s=3600)
+    # The marker goes last: still there, so the next run finds the leftover and removes it.
+    assert len(os.listdir(resaved)) == 5
+    clean_sharded_leftovers(LocalWriter(), str(tmp_path), max_age_s=3600)
+    assert sorted(os.listdir(resaved)) == [DCP_METADATA_NAME, "__0_old.distcp", LIGHTNING_META_NAME]
+
+
 @dataclass
 class _StorageInfo:
     """Stands in for DCP's per-item storage record in the test above (only its file name is read)."""

@@ -47,26 +47,26 @@ def clean_sharded_leftovers(writer: StorageWriter, parent: str, max_age_s: float
         if not entry.is_directory:
             continue
         directory = join_path(parent, entry.name)
-        names = {e.name: e for e in writer.list_directory(directory)}
-        markers = {n: m for n, e in names.items() if (m := parse_leftover_name(n, PENDING_SUFFIX)) is not None}
+        entries = {e.name: e for e in writer.list_directory(directory)}
+        markers = {n: m for n in entries if (m := parse_leftover_name(n, PENDING_SUFFIX)) is not None}
         if not markers:
             continue
-        ages = {n: _age_s(names[n], now) for n in markers}
+        ages = {n: _age_s(entries[n], now) for n in markers}
         if not all(writer_gone(m.owner, ages[n], max_age_s, tracks_own_writes=False) for n, m in markers.items()):
             continue  # a live process still saves here
         writer.clean_stale(directory, max_age_s)  # the dead ranks' open uploads (S3), temporary files
-        removed += _settle(writer, directory, set(names))
+        removed += _settle(writer, directory, entries)
     if removed:
         log.info("lightning_datastates: removed %d leftover(s) of sharded saves that died in %s", len(removed), parent)
     return removed
 
 
-def _settle(writer: StorageWriter, directory: str, names: set[str]) -> list[str]:
-    """Leave the directory of a dead save one whole checkpoint, or remove it (see the module docstring); the paths
-    removed."""
-    if LIGHTNING_META_NAME not in names:
+def _settle(writer: StorageWriter, directory: str, entries: dict[str, DirectoryEntry]) -> list[str]:
+    """Leave the directory of a dead save (``entries``: what it holds, by name) one whole checkpoint, or remove it
+    (see the module docstring); the paths removed."""
+    if LIGHTNING_META_NAME not in entries:
         try:
-            completed = complete_or_keep(writer, directory, names)
+            completed = complete_or_keep(writer, directory, set(entries))
         except Exception as exc:  # noqa: BLE001 - keep everything rather than guess
             log.warning("lightning_datastates: cannot complete the commit in %s (%r); kept as it is", directory, exc)
             return []
@@ -74,19 +74,24 @@ def _settle(writer: StorageWriter, directory: str, names: set[str]) -> list[str]
             writer.remove(directory)
             return [directory]
         log.info("lightning_datastates: completed the commit of %s, which a dead run left half-way", directory)
-        names = {entry.name for entry in writer.list_directory(directory)}
+        entries = {entry.name: entry for entry in writer.list_directory(directory)}
     try:
         keep = set(files_named(bytes(writer.read_bytes(join_path(directory, DCP_METADATA_NAME)))))
     except Exception as exc:  # noqa: BLE001 - keep everything rather than guess
         log.warning("lightning_datastates: cannot read %s (%r); leftovers there kept", directory, exc)
         return []
     keep |= {DCP_METADATA_NAME, LIGHTNING_META_NAME}
-    removed = []
-    for name in sorted(names):
-        if name not in keep:
+    leftovers = sorted(set(entries) - keep)
+    markers = [name for name in leftovers if parse_leftover_name(name, PENDING_SUFFIX) is not None]
+    files = [name for name in leftovers if name not in markers and not entries[name].is_directory]
+    for name in leftovers:
+        if entries[name].is_directory:  # not a save's, but no checkpoint's either
             writer.remove(join_path(directory, name))
-            removed.append(join_path(directory, name))
-    return removed
+    # In few requests (S3: one per thousand files), the markers last: a cleanup that fails or dies before the end
+    # leaves the directory marked, so that the next run takes it up again.
+    writer.remove_files(directory, files)
+    writer.remove_files(directory, markers)
+    return [join_path(directory, name) for name in leftovers]
 
 
 def _age_s(entry: DirectoryEntry, now: float) -> float | None:
