@@ -201,17 +201,20 @@ def _describe(value: Any) -> str:
 
 # ---------------------------------------------------------------------------------------------------- clean
 def _clean(args: argparse.Namespace, options: dict[str, Any] | None) -> int:
+    # Imported here: it brings torch.distributed.checkpoint (about 1 s), which verify and inspect do not need.
+    from lightning_datastates.sharded.leftovers import clean_leftovers
+
     status = 0
     for directory in args.directories:
         try:
-            removed = writer_for(directory, options).clean_stale(directory, max_age_s=args.max_age_s)
+            removed = clean_leftovers(writer_for(directory, options), directory, args.max_age_s)
         except (OSError, ValueError) as exc:
             print(f"ERROR {directory}: {exc}")
             status = 1
             continue
         for entry in removed:
             print(f"removed {entry}")
-        print(f"{directory}: {len(removed)} stale temporary file(s) or upload(s) removed")
+        print(f"{directory}: {len(removed)} leftover(s) of dead writers removed")
     return status
 
 

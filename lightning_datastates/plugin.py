@@ -29,7 +29,7 @@ from lightning_datastates.config import (
 from lightning_datastates.errors import CheckpointFlushError
 from lightning_datastates.interrupts import sigint_deferred
 from lightning_datastates.load.reader import load_checkpoint
-from lightning_datastates.sharded.leftovers import clean_sharded_leftovers
+from lightning_datastates.sharded.leftovers import clean_leftovers
 from lightning_datastates.snapshot.engine import LazyPredicate, SnapshotEngine
 from lightning_datastates.snapshot.job import SnapshotStats
 from lightning_datastates.storage import StorageWriter, writer_for, writer_kind
@@ -340,9 +340,7 @@ class DataStatesIO(CheckpointIO):
     def clean_stale(self, directory: str) -> list[str]:
         """Remove temporary files that crashed runs left in ``directory`` (done once per directory)."""
         self._cleaned_directories.add(directory)
-        removed = self.writer_for(directory).clean_stale(directory, max_age_s=self.config.stale_after_s)
-        # Sharded saves that died in flight (their directories).
-        removed += clean_sharded_leftovers(self.writer_for(directory), directory, self.config.stale_after_s)
+        removed = clean_leftovers(self.writer_for(directory), directory, self.config.stale_after_s)
         if removed:
             log.info("lightning_datastates: removed %d stale temporary file(s) in %s", len(removed), directory)
         return removed

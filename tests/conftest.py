@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -114,6 +116,13 @@ def assert_bit_equal(actual: Any, expected: Any, where: str = "checkpoint") -> N
             assert_bit_equal(a_item, e_item, f"{where}[{index}]")
     else:
         assert actual == expected, f"{where}: {actual!r} != {expected!r}"
+
+
+def dead_pid() -> int:
+    """The pid of a process of this host that has ended (leftovers naming it belong to a dead writer)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
 
 
 def temp_files(directory: str) -> list[str]:

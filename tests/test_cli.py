@@ -20,7 +20,9 @@ import torch
 from lightning_datastates import DataStatesIO
 from lightning_datastates.archive import read_archive_index
 from lightning_datastates.cli import main, summarize
-from tests.conftest import BNModel, every_step_checkpoint, make_loader, make_trainer, temp_files
+from lightning_datastates.sharded.leftovers import PENDING_SUFFIX
+from lightning_datastates.storage.leftovers import host_tag
+from tests.conftest import BNModel, dead_pid, every_step_checkpoint, make_loader, make_trainer, temp_files
 from tests.s3_server import require_s3, s3_endpoint_fixture, s3_fixture  # noqa: F401 - fixtures
 from tests.test_integrity import torch_crc_off
 
@@ -179,6 +181,17 @@ def test_clean_removes_the_temporary_file_of_a_killed_writer_only(tmp_path) -> N
     finally:
         live.abort()
     assert main(["clean", str(tmp_path / "nowhere")]) == 0
+
+
+def test_clean_removes_a_sharded_save_that_died_in_flight(tmp_path) -> None:
+    directory = tmp_path / "run"
+    died = directory / "epoch=0-step=3.ckpt"  # a sharded save whose process died before the commit: no meta.pt
+    died.mkdir(parents=True)
+    (died / "__0_abc.distcp").write_bytes(b"x")
+    (died / f".commit.{host_tag()}.{dead_pid()}.deadbeef{PENDING_SUFFIX}").write_bytes(b"")
+    result = _cli("clean", str(directory))
+    assert result.returncode == 0, result.stderr
+    assert f"removed {died}" in result.stdout and not died.exists()
 
 
 def test_clean_refuses_a_negative_age(capsys) -> None:

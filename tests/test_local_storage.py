@@ -20,6 +20,7 @@ import pytest
 import lightning_datastates
 from lightning_datastates.storage import LocalWriter, writer_for
 from lightning_datastates.storage.leftovers import DEFAULT_STALE_AGE_S, TEMP_SUFFIX, host_tag
+from tests.conftest import dead_pid
 from tests.test_storage_contract import JOIN_S
 
 
@@ -162,12 +163,6 @@ def _temp_name(final: str, pid: int, host: str | None = None, token: str = "0123
     return f".{final}.{host or host_tag()}.{pid}.{token}{TEMP_SUFFIX}"
 
 
-def _dead_pid() -> int:
-    child = subprocess.Popen(["true"])
-    child.wait(JOIN_S)
-    return child.pid
-
-
 @pytest.fixture
 def live_child():
     child = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
@@ -177,7 +172,7 @@ def live_child():
 
 
 def test_clean_stale_removes_temps_of_dead_processes_only(ckpt_dir: Path, live_child) -> None:
-    dead = ckpt_dir / _temp_name("epoch=1.ckpt", _dead_pid())
+    dead = ckpt_dir / _temp_name("epoch=1.ckpt", dead_pid())
     live = ckpt_dir / _temp_name("epoch=2.ckpt", live_child.pid)
     parent = ckpt_dir / _temp_name("epoch=3.ckpt", os.getppid())
     mine = ckpt_dir / _temp_name("epoch=4.ckpt", os.getpid())
@@ -225,7 +220,7 @@ def test_clean_stale_accepts_missing_directories_and_file_urls(tmp_path: Path) -
     assert writer.clean_stale(str(tmp_path / "missing")) == []
     (tmp_path / "file").write_bytes(b"")
     assert writer.clean_stale(str(tmp_path / "file")) == []
-    dead = tmp_path / _temp_name("u.ckpt", _dead_pid())
+    dead = tmp_path / _temp_name("u.ckpt", dead_pid())
     dead.write_bytes(b"")
     assert writer.clean_stale(f"file://{tmp_path}") == [str(dead)]
 

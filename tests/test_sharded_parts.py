@@ -6,8 +6,6 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -34,7 +32,7 @@ from lightning_datastates.sharded.saver import ShardedSaver
 from lightning_datastates.sharded.staging import LocalPlans, stage_shard
 from lightning_datastates.storage import LocalWriter
 from lightning_datastates.storage.leftovers import host_tag
-from tests.conftest import BNModel, assert_bit_equal, make_loader, make_trainer, temp_files
+from tests.conftest import BNModel, assert_bit_equal, dead_pid, make_loader, make_trainer, temp_files
 from tests.s3_server import (  # noqa: F401 - the *_fixture imports register the fixtures
     free_port,
     s3_endpoint_fixture,
@@ -101,14 +99,8 @@ def test_a_staged_shard_planned_by_dcp_is_read_by_dcp_once_the_metadata_is_writt
     assert second.file_name != staged.file_name and plans.run_hits == 1
 
 
-def _dead_pid() -> int:
-    process = subprocess.Popen([sys.executable, "-c", "pass"])
-    process.wait()
-    return process.pid
-
-
 def _dead_marker(directory) -> None:
-    (directory / f".commit.{host_tag()}.{_dead_pid()}.deadbeef{PENDING_SUFFIX}").write_bytes(b"")
+    (directory / f".commit.{host_tag()}.{dead_pid()}.deadbeef{PENDING_SUFFIX}").write_bytes(b"")
 
 
 def test_dead_sharded_saves_are_removed_and_committed_checkpoints_kept(tmp_path):
@@ -290,7 +282,7 @@ def test_fit_with_ckpt_path_last_resumes_from_the_sharded_last_checkpoint(tmp_pa
         )
         write_commit_record(writer, last, metadata, meta)
         writer.remove_files(last, [LIGHTNING_META_NAME])
-        writer.create_marker(f"{last}/.commit.{host_tag()}.{_dead_pid()}.deadbeef{PENDING_SUFFIX}")
+        writer.create_marker(f"{last}/.commit.{host_tag()}.{dead_pid()}.deadbeef{PENDING_SUFFIX}")
     resumed = fit("resumed", 2, "last")
     assert resumed.ckpt_path == f"{directory}/last.ckpt"  # not a fresh start, which would end with the same weights
     assert resumed.global_step == 8

@@ -39,6 +39,15 @@ def mark_pending(writer: StorageWriter, directory: str) -> str:
     return marker
 
 
+def clean_leftovers(writer: StorageWriter, directory: str, max_age_s: float) -> list[str]:
+    """Remove everything dead runs left in ``directory``: temporary files and open uploads
+    (:meth:`~lightning_datastates.storage.base.StorageWriter.clean_stale`), then the sharded saves that died in flight
+    in its subdirectories (:func:`clean_sharded_leftovers`); the paths removed. The plugin's cleanup at setup and the
+    ``clean`` command both come here."""
+    removed = writer.clean_stale(directory, max_age_s=max_age_s)
+    return removed + clean_sharded_leftovers(writer, directory, max_age_s)
+
+
 def clean_sharded_leftovers(writer: StorageWriter, parent: str, max_age_s: float) -> list[str]:
     """Remove what dead sharded saves left in the subdirectories of ``parent``; the paths removed."""
     removed: list[str] = []
