@@ -69,7 +69,8 @@ class DataStatesIO(CheckpointIO):
 
     Args:
         host_cache: host memory for snapshots (bytes, or a string such as ``"8GiB"``). ``None`` (default) sizes it
-            to the first checkpoint, at most half the available memory. Checkpoints larger than the arena stream
+            to hold two checkpoints, estimated after the first optimizer step (at least 64 MiB, at most half the
+            available memory). Checkpoints larger than the arena stream
             through it; when it is full, the next copy waits for a flush to free space.
         writer_threads: threads writing to storage in parallel (default 4).
         chunk_size: most bytes copied and written as one piece (default ``"64MiB"``; at most a quarter of the
