@@ -29,6 +29,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning_datastates.capture.admission import state_request_bytes
 from lightning_datastates.compat.lightning import override_file_exists, restore_file_exists, unwrap_checkpoint_io
 from lightning_datastates.compat.torch import local_shard, persistent_buffers, storage_identity
+from lightning_datastates.copy.pinning import cuda_device_of
 from lightning_datastates.metrics import CheckpointMetrics
 from lightning_datastates.plugin import DataStatesIO
 from lightning_datastates.progress import drain_with_progress
@@ -130,11 +131,13 @@ class DataStatesCallback(Callback):
         state = checkpoint_state_tensors(trainer, with_optimizer_state=not _weights_only(trainer))
         try:
             # A rank saving shards copies their local parts.
-            request = state_request_bytes(local_shard(tensor) for tensor in state)
+            local = [local_shard(tensor) for tensor in state]
+            request = state_request_bytes(local)
+            cuda_device = cuda_device_of(tensor.device for tensor in local)
         except Exception as exc:  # noqa: BLE001 - only an early start: the first save makes the arena instead
             log.debug("lightning_datastates: no host arena made before the first save: %r", exc)
             return
-        plugin.prepare_arena(request)
+        plugin.prepare_arena(request, cuda_device)
 
     def _prepare_planning(self, trainer: Trainer) -> None:
         """Once per fit, after the first optimizer step (the optimizers' state exists): have the plugin compare its

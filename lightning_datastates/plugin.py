@@ -281,12 +281,13 @@ class DataStatesIO(CheckpointIO):
         """What recent checkpoints cost (most recent last)."""
         return [] if self._engine is None else list(self._engine.history)
 
-    def prepare_arena(self, request_bytes: int) -> None:
-        """Make the host arena before the first save, sized for checkpoints asking about ``request_bytes`` (see
+    def prepare_arena(self, request_bytes: int, cuda_device: int | None = None) -> None:
+        """Make the host arena before the first save, sized for checkpoints asking about ``request_bytes``, and
+        page-locked in the background for copies from ``cuda_device`` (None: state on the CPU, not page-locked; see
         :meth:`SnapshotEngine.prepare_arena <lightning_datastates.snapshot.engine.SnapshotEngine.prepare_arena>`).
         Training thread, on a rank that saves through this plugin."""
         # A rank's shard files are read by DCP from storage, never from the arena: their blocks are freed once written.
-        self.engine.prepare_arena(request_bytes, serve_loads=not self.saves_sharded)
+        self.engine.prepare_arena(request_bytes, serve_loads=not self.saves_sharded, cuda_device=cuda_device)
 
     def prepare_planning(self, sample: Any) -> None:
         """Have the layout planner compare its fast path with ``torch.save`` on ``sample`` (the training state) before

@@ -94,7 +94,7 @@ def test_arena_is_pinned_off_the_calling_thread_and_usable_before() -> None:
 
 def test_training_never_waits_for_pinning(tmp_path, monkeypatch) -> None:
     pinner = BlockingPinner()
-    monkeypatch.setattr(pinning, "default_pinner", lambda: pinner)
+    monkeypatch.setattr(pinning, "default_pinner", lambda cuda_device: pinner)
     plugin = in_background(DataStatesIO(host_cache="32MiB"), lazy=True)
     checkpoint = {"w": torch.randn(MiB), "step": torch.tensor(3)}
     expected = {k: v.clone() for k, v in checkpoint.items()}
@@ -107,6 +107,32 @@ def test_training_never_waits_for_pinning(tmp_path, monkeypatch) -> None:
     pinner.release.set()
     assert_bit_equal(torch.load(path, weights_only=True), expected)
     assert threading.main_thread().name not in pinner.threads and not pinner.timed_out
+    plugin.teardown()
+
+
+def test_the_pinner_follows_the_devices_of_the_state() -> None:
+    assert pinning.cuda_device_of([torch.device("cpu")]) is None
+    assert pinning.cuda_device_of([torch.device("cpu"), torch.device("cuda", 1)]) == 1
+    assert pinning.default_pinner(None) is None
+
+
+def test_cpu_training_on_a_host_with_a_gpu_neither_pins_nor_touches_cuda(tmp_path, monkeypatch) -> None:
+    """The arena is page-locked for copies from a GPU only: a CPU run on a GPU host must not initialize CUDA (its
+    context takes GPU memory, and Lightning then refuses to fork). Here the host "has" a GPU that any CUDA call
+    fails on."""
+
+    def no_cuda(*args, **kwargs):
+        raise AssertionError("CUDA was used for a CPU run")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", no_cuda)
+    monkeypatch.setattr(pinning, "CudaHostRegister", no_cuda)
+    checkpoints = every_step_checkpoint(str(tmp_path / "ckpt"), every_n_train_steps=2)
+    plugin = DataStatesIO()
+    trainer = make_trainer(str(tmp_path), plugin, [checkpoints], accelerator="cpu", max_steps=4)
+    trainer.fit(BNModel(), make_loader())
+    arena = plugin.engine.arena
+    assert arena is not None and not arena.pinned and os.listdir(tmp_path / "ckpt")
     plugin.teardown()
 
 
@@ -298,7 +324,7 @@ def test_arena_is_made_and_pinned_before_the_first_save(tmp_path, monkeypatch, h
     """The arena is made once the state's size is known (the first optimizer step; at train start with a host
     cache), so that its pinning runs during training; the first save copies into that same arena."""
     pinner = RecordingPinner()
-    monkeypatch.setattr(pinning, "default_pinner", lambda: pinner)
+    monkeypatch.setattr(pinning, "default_pinner", lambda cuda_device: pinner)
     plugin = FirstSaveProbe(host_cache=host_cache)
     plugin.pinner = pinner
     checkpoints = every_step_checkpoint(str(tmp_path / "ckpt"), every_n_train_steps=3, save_last=False)
@@ -329,7 +355,7 @@ def test_a_prepared_arena_too_small_for_the_first_checkpoint_is_made_again(tmp_p
     """An estimate that falls short (another callback saves large tensors) costs a new arena at the first save, as
     without the preparation; the old one is let go off the training thread, even while its pinning still runs."""
     pinner = BlockingPinner()
-    monkeypatch.setattr(pinning, "default_pinner", lambda: pinner)
+    monkeypatch.setattr(pinning, "default_pinner", lambda cuda_device: pinner)
     plugin = in_background(DataStatesIO())
     plugin.prepare_arena(MiB)  # the default rule's minimum: 64 MiB
     prepared = plugin.engine.arena
@@ -354,6 +380,13 @@ def test_a_prepared_arena_serves_a_first_checkpoint_up_to_the_tolerance() -> Non
     assert prepared.serves(16 * MiB, default) and prepared.serves(17 * MiB, default)  # within 1/16
     assert not prepared.serves(int(16 * MiB * (1 + PREPARED_TOLERANCE)) + 1, default)
     assert prepared.serves(64 * MiB, sized)  # a user's host_cache is the size whatever the checkpoint
+
+
+def test_a_prepared_arena_not_page_locked_does_not_serve_copies_from_a_gpu() -> None:
+    config = DataStatesConfig(host_cache="1MiB")
+    unpinned, pinned = PreparedArena(HostArena(MiB), MiB), PreparedArena(HostArena(MiB), MiB, cuda_device=0)
+    assert unpinned.serves(MiB, config) and not unpinned.serves(MiB, config, cuda_device=0)
+    assert pinned.serves(MiB, config, cuda_device=0) and pinned.serves(MiB, config)  # CPU state: pinned is no harm
 
 
 def test_state_request_counts_each_storage_once() -> None:
@@ -497,9 +530,9 @@ def test_arena_estimate_counts_what_the_checkpoints_hold(tmp_path, weights_only)
     requests: list[int] = []
 
     class Recording(DataStatesIO):
-        def prepare_arena(self, request_bytes: int) -> None:
+        def prepare_arena(self, request_bytes: int, cuda_device: int | None = None) -> None:
             requests.append(request_bytes)
-            super().prepare_arena(request_bytes)
+            super().prepare_arena(request_bytes, cuda_device)
 
     checkpoints = every_step_checkpoint(str(tmp_path / "ckpt"), save_weights_only=weights_only, save_last=False)
     trainer = make_trainer(str(tmp_path), Recording(), [checkpoints], max_epochs=1)

@@ -265,6 +265,8 @@ def test_sharded_benchmark_runs_every_method_over_two_ranks(tmp_path: Any) -> No
         assert (arena is not None) == (method == "datastates")
         assert arena is None or 0 < arena["peak_used_bytes"] <= arena["size_bytes"]
         assert arena is None or 0 < arena["resident_bytes"] <= arena["size_bytes"]
+    # Each method's line is printed as soon as it ran (a time limit ending the run later keeps them).
+    assert [line.split(":")[0] for line in completed.stdout.splitlines() if ": loop " in line] == list(result["table"])
     report = (tmp_path / "sharded-benchmark.md").read_text()
     assert "| datastates |" in report and "DataStatesIO's training thread waited" in report
     assert "Its host arena:" in report and "| CPU s / ckpt |" in report

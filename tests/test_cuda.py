@@ -10,7 +10,8 @@ import os
 import pytest
 import torch
 
-from lightning_datastates import DataStatesIO
+from lightning_datastates import DataStatesCallback, DataStatesIO
+from lightning_datastates.copy.arena import address_view
 from tests.conftest import (
     BNModel,
     RecordingDataStatesIO,
@@ -24,6 +25,19 @@ pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
+
+#: GPU clock cycles of ``torch.cuda._sleep``: a fraction of a second on any current GPU, far longer than a save call's
+#: planning, so that the kernel queued behind it is still in flight when the copy is issued.
+_SLEEP_CYCLES = 500_000_000
+
+
+def _queue_behind_a_sleep(write) -> None:
+    """Queue ``write`` (the last kernel producing the state) behind a sleeping kernel on the compute stream, and check
+    that it is still in flight: a copy that did not wait for the compute stream (the event recorded at capture) would
+    read the state from before it."""
+    torch.cuda._sleep(_SLEEP_CYCLES)
+    write()
+    assert not torch.cuda.current_stream().query(), "the GPU finished the queued kernels before the save call"
 
 
 class _AllLazy:
@@ -40,13 +54,15 @@ def test_copy_is_ordered_after_queued_kernels_and_before_mutation(tmp_path):
     plugin._owner = _AllLazy()  # type: ignore[assignment]
     weight = torch.zeros(64 * 2**20, device="cuda")  # 256 MiB
     for round_ in range(3):
-        # Queue slow work that produces the state: the copy must wait for it (event on the compute stream).
         weight.fill_(float(round_))
         for _ in range(20):
             weight.mul_(1.0001)
         expected = weight.cpu()  # synchronizes: the reference
-        weight.sub_(expected.cuda())
-        weight.add_(expected.cuda())  # same values, produced by kernels still in flight at the save call
+        on_device = expected.cuda()  # from pageable memory: synchronous
+        weight.zero_()
+        # The state's values come from a kernel still queued at the save call: the copy must wait for it (event on
+        # the compute stream); one that did not would write zeros.
+        _queue_behind_a_sleep(lambda values=on_device: weight.add_(values))
         path = str(tmp_path / f"r{round_}.ckpt")
         plugin.save_checkpoint({"w": weight}, path)
         plugin.barrier()  # what on_before_optimizer_step does
@@ -76,9 +92,13 @@ def test_many_small_tensors_in_one_chunk_are_all_copied_after_queued_kernels(tmp
     for tensor in tensors:
         tensor.fill_(1.0)
     for _ in range(20):
-        big.mul_(1.0001)  # slow work queued ahead of the last writes of the state
-    for index, tensor in enumerate(tensors):
-        tensor.add_(float(index))  # still in flight at the save call
+        big.mul_(1.0001)
+
+    def last_writes() -> None:
+        for index, tensor in enumerate(tensors):
+            tensor.add_(float(index))
+
+    _queue_behind_a_sleep(last_writes)  # the last writes of the state, still in flight at the save call
     path = str(tmp_path / "small.ckpt")
     plugin.save_checkpoint({f"t{i}": t for i, t in enumerate(tensors)}, path)
     plugin.barrier()
@@ -103,6 +123,9 @@ def test_trainer_on_gpu_every_file_equals_state_at_save(tmp_path):
         devices=1,
         deterministic=False,
     )
+    # The entry point adds the callback: without it every save would wait for its commit, and this test would pass
+    # without anything lazy.
+    assert any(isinstance(callback, DataStatesCallback) for callback in trainer.callbacks)
     trainer.fit(BNModel(width=2048), make_loader(n=256, batch_size=32))
     assert len(plugin.recorded) >= 16
     for path, expected in plugin.recorded.items():
@@ -162,7 +185,7 @@ def test_chunks_are_in_flight_on_the_copy_stream_and_the_file_is_exact(tmp_path,
     plugin = DataStatesIO(host_cache="2GiB", chunk_size="32MiB")
     plugin._owner = _AllLazy()  # type: ignore[assignment]
     weight = torch.randn(128 * 2**20, device="cuda")  # 512 MiB: 16 chunks
-    plugin.prepare_arena(weight.nbytes)  # copies into pageable memory would end at once: wait for the pinning
+    plugin.prepare_arena(weight.nbytes, weight.device.index)  # copies into pageable memory would end at once: pin
     assert plugin.engine.arena is not None and plugin.engine.arena.wait_pinned(60)
     _save_then_step_then_check(plugin, weight, str(tmp_path / "inflight.ckpt"))
     assert most_in_flight[0] > 1
@@ -179,12 +202,15 @@ def test_arena_pinned_in_pieces_takes_copies_that_span_pieces_bit_exact(tmp_path
     plugin = DataStatesIO(host_cache="64MiB", chunk_size="8MiB")
     plugin._owner = _AllLazy()  # type: ignore[assignment]
     weight = torch.randn(6 * 2**20, device="cuda")  # 24 MiB
-    plugin.prepare_arena(weight.nbytes)
+    plugin.prepare_arena(weight.nbytes, weight.device.index)
     arena = plugin.engine.arena
     assert arena is not None and arena.wait_pinned(60) and arena.pinned_bytes == arena.size_bytes
     base = arena.buffer.data_ptr()
     for address, _ in pinning.cut_at_pin_boundaries(base, arena.size_bytes):
-        assert arena.buffer[address - base :].is_pinned(), f"piece at offset {address - base} is not pinned"
+        # A tensor whose storage starts at the piece: is_pinned() asks the driver about its storage's first byte (a
+        # slice of the buffer would ask about the buffer's, piece 0's, every time).
+        piece = torch.frombuffer(address_view(address, 1), dtype=torch.uint8)
+        assert piece.is_pinned(), f"piece at offset {address - base} is not pinned"
     _save_then_step_then_check(plugin, weight, str(tmp_path / "pieces.ckpt"))
     plugin.teardown()
 

@@ -507,9 +507,9 @@ def test_a_ranks_arena_maps_one_checkpoint_of_shards_ahead(tmp_path, monkeypatch
     requests: list[tuple[int, bool]] = []
     prepare_arena = engine_module.prepare_arena
 
-    def recorded(config, request_bytes, keeps_written=True):
+    def recorded(config, request_bytes, keeps_written=True, cuda_device=None):
         requests.append((request_bytes, keeps_written))
-        return prepare_arena(config, request_bytes, keeps_written)
+        return prepare_arena(config, request_bytes, keeps_written, cuda_device)
 
     monkeypatch.setattr(engine_module, "prepare_arena", recorded)
     plugin = DataStatesIO()

@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run(command, env=env, check=True)
             raw[method] = [_read(os.path.join(result, f"rank{rank}.json")) for rank in range(args.world)]
             table[method] = summarize(raw[method])
+            print(_progress_line(method, table[method]), flush=True)  # kept if a time limit ends the run later
             shutil.rmtree(directory, ignore_errors=True)
     finally:
         if args.dir is None:
@@ -193,6 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(args.out, "sharded-benchmark.json"), "w") as out:
         json.dump({"args": vars(args), "table": table, "ranks": raw}, out, indent=1)
     return 0
+
+
+def _progress_line(method: str, figures: dict[str, Any]) -> str:
+    """One method's main figures, printed as soon as its run ended (the table comes once every method ran)."""
+    blocked = figures["blocked_s"]
+    blocked_text = "-" if blocked is None else f"{blocked * 1e3:.0f} ms"
+    return f"{method}: loop {figures['loop_s']:.2f} s, blocked per checkpoint {blocked_text}"
 
 
 def _read(path: str) -> dict[str, Any]:

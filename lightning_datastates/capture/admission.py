@@ -67,36 +67,53 @@ def state_request_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 @dataclass(frozen=True)
 class PreparedArena:
-    """An arena made before the first capture (:func:`prepare_arena`) and the request it was sized for."""
+    """An arena made before the first capture (:func:`prepare_arena`), the request it was sized for, and the CUDA
+    device it was page-locked for (None: not page-locked)."""
 
     arena: HostArena
     request_bytes: int
+    cuda_device: int | None = None
 
-    def serves(self, request_bytes: int, config: DataStatesConfig) -> bool:
-        """Whether the first checkpoint, asking ``request_bytes``, is served by this arena: always with a
-        ``host_cache`` (the size is the user's), else when the estimate fell short by at most
-        :data:`PREPARED_TOLERANCE`."""
+    def serves(self, request_bytes: int, config: DataStatesConfig, cuda_device: int | None = None) -> bool:
+        """Whether the first checkpoint, asking ``request_bytes`` with copies from ``cuda_device``, is served by this
+        arena: always with a ``host_cache`` (the size is the user's), else when the estimate fell short by at most
+        :data:`PREPARED_TOLERANCE`; and only if it is page-locked where that checkpoint's copies come from a GPU."""
+        if cuda_device is not None and self.cuda_device is None:
+            return False
         return config.host_cache is not None or request_bytes <= self.request_bytes * (1 + PREPARED_TOLERANCE)
 
 
-def prepare_arena(config: DataStatesConfig, request_bytes: int, keeps_written: bool = True) -> PreparedArena:
+def prepare_arena(
+    config: DataStatesConfig, request_bytes: int, keeps_written: bool = True, cuda_device: int | None = None
+) -> PreparedArena:
     """An arena for checkpoints asking about ``request_bytes``, made now, before the first capture: its pinning
-    (CUDA hosts) then runs while training does, and ends before the first checkpoint is copied. ``keeps_written``:
-    whether written checkpoints stay in it for loading (see :func:`~lightning_datastates.copy.sizing.
-    checkpoints_mapped_ahead`)."""
-    return PreparedArena(_new_arena(config, request_bytes, keeps_written), request_bytes)
+    (state on ``cuda_device``; None: on the CPU, no pinning) then runs while training does, and ends before the first
+    checkpoint is copied. ``keeps_written``: whether written checkpoints stay in it for loading (see
+    :func:`~lightning_datastates.copy.sizing.checkpoints_mapped_ahead`)."""
+    return PreparedArena(_new_arena(config, request_bytes, keeps_written, cuda_device), request_bytes, cuda_device)
 
 
 def open_arena(
-    config: DataStatesConfig, request_bytes: int, prepared: PreparedArena | None = None, keeps_written: bool = True
+    config: DataStatesConfig,
+    request_bytes: int,
+    prepared: PreparedArena | None = None,
+    keeps_written: bool = True,
+    cuda_device: int | None = None,
 ) -> tuple[HostArena, ResidentCache | None]:
-    """The host arena for ``request_bytes`` as ``config`` sizes it (``keeps_written`` as for :func:`prepare_arena`),
-    and, with ``serve_from_memory``, the resident cache over it. The ``prepared`` arena where it serves this
-    checkpoint; otherwise it is discarded (its unpinning runs on a thread of its own) and a new one made."""
-    if prepared is not None and prepared.serves(request_bytes, config):
+    """The host arena for ``request_bytes`` as ``config`` sizes it (``keeps_written`` and ``cuda_device`` as for
+    :func:`prepare_arena`), and, with ``serve_from_memory``, the resident cache over it. The ``prepared`` arena where it
+    serves this checkpoint; otherwise it is discarded (its unpinning runs on a thread of its own) and a new one made."""
+    if prepared is not None and prepared.serves(request_bytes, config, cuda_device):
         arena = prepared.arena
     else:
-        if prepared is not None:
+        if prepared is not None and cuda_device is not None and prepared.cuda_device is None:
+            log.info(
+                "lightning_datastates: the first checkpoint is copied from GPU %d, and the host arena made before it "
+                "was not page-locked (the training state was on the CPU then); the arena is made again for it",
+                cuda_device,
+            )
+            prepared.arena.discard()
+        elif prepared is not None:
             log.info(
                 "lightning_datastates: the first checkpoint asks %.1f MiB of host arena, more than the %.1f MiB "
                 "estimated from the training state; the arena is made again for it",
@@ -104,19 +121,19 @@ def open_arena(
                 prepared.request_bytes / 2**20,
             )
             prepared.arena.discard()
-        arena = _new_arena(config, request_bytes, keeps_written)
+        arena = _new_arena(config, request_bytes, keeps_written, cuda_device)
     resident = ResidentCache(arena) if config.serve_from_memory else None
     return arena, resident
 
 
-def _new_arena(config: DataStatesConfig, request_bytes: int, keeps_written: bool) -> HostArena:
+def _new_arena(config: DataStatesConfig, request_bytes: int, keeps_written: bool, cuda_device: int | None) -> HostArena:
     # Page-locked memory lets the CUDA copy engine write straight into the arena, asynchronously; it is locked on a
     # thread of its own (copy/pinning.py), never on the training thread. Elsewhere the pages the first checkpoints
     # use (those that routinely sit in the arena together) are mapped in ahead of their copies, also on a thread of
     # its own (copy/prefault.py); the rest of the arena is mapped as copies first write it.
     keeps_written = keeps_written and config.serve_from_memory
     prefault_bytes = sizing.checkpoints_mapped_ahead(keeps_written) * request_bytes
-    arena = HostArena(config.arena_bytes_for(request_bytes), pinning.default_pinner(), prefault_bytes)
+    arena = HostArena(config.arena_bytes_for(request_bytes), pinning.default_pinner(cuda_device), prefault_bytes)
     log.info("lightning_datastates: host arena of %.1f MiB allocated", arena.size_bytes / 2**20)
     return arena
 

@@ -40,6 +40,7 @@ import logging
 import mmap
 import os
 import threading
+from collections.abc import Iterable
 from typing import Protocol
 
 import torch
@@ -84,9 +85,11 @@ class CudaHostRegister:
             raise OSError(f"cudaHostRegister of {nbytes} bytes failed: {error!r}")
 
     def unpin(self, address: int) -> None:
-        """Unregister the range (its memory must still be allocated)."""
+        """Unregister the range (its memory must still be allocated); raise ``OSError`` if the driver refuses."""
         with torch.cuda.device(self.device):
-            torch.cuda.cudart().cudaHostUnregister(address)
+            error = torch.cuda.cudart().cudaHostUnregister(address)
+        if int(error) != 0:  # logged by the caller, which goes on with the other pieces
+            raise OSError(f"cudaHostUnregister failed: {error!r}")
 
 
 class ArenaPinning:
@@ -219,9 +222,19 @@ def fork_excluded_mapping(nbytes: int) -> mmap.mmap | None:
     return mapping
 
 
-def default_pinner() -> Pinner | None:
-    """The pinner for this host, called on the training thread: ``cudaHostRegister`` for its current CUDA device where
-    CUDA is available; None elsewhere (CPU copies gain nothing from locked pages; the arena's first pages are mapped
-    ahead instead, copy/prefault.py, and untouched pageable pages cost no
-    memory until used)."""
-    return CudaHostRegister(torch.cuda.current_device()) if torch.cuda.is_available() else None
+def cuda_device_of(devices: Iterable[torch.device]) -> int | None:
+    """The CUDA device copies into the arena come from: the first CUDA device among ``devices`` (the devices of the
+    state to checkpoint), by index (a device without one: the current device); None where none is a CUDA device."""
+    for device in devices:
+        if device.type == "cuda":
+            return torch.cuda.current_device() if device.index is None else device.index
+    return None
+
+
+def default_pinner(cuda_device: int | None) -> Pinner | None:
+    """The pinner for an arena that takes copies from ``cuda_device`` (:func:`cuda_device_of`; training thread):
+    ``cudaHostRegister`` for that device; None for state on the CPU (CPU copies gain nothing from locked pages; the
+    arena's first pages are mapped ahead instead, copy/prefault.py, and untouched pageable pages cost no memory until
+    used). Decided by where the state is, not by whether the host has a GPU: CPU training on a GPU host must not
+    create a CUDA context (it would take GPU memory, and Lightning refuses to fork after it)."""
+    return None if cuda_device is None else CudaHostRegister(cuda_device)

@@ -55,6 +55,7 @@ from lightning_datastates.config import DataStatesConfig
 from lightning_datastates.copy.arena import HostArena
 from lightning_datastates.copy.copier import CopierSet
 from lightning_datastates.copy.loop import CopyLoop
+from lightning_datastates.copy.pinning import cuda_device_of
 from lightning_datastates.copy.sharing import SharedCopies, SharingCounters
 from lightning_datastates.load.resident import ResidentCache
 from lightning_datastates.snapshot.backpressure import BackPressureWarning, describe_back_pressure
@@ -120,14 +121,14 @@ class SnapshotEngine:
         return None if self._data_path is None else self._data_path.resident
 
     # ------------------------------------------------------------------ capture
-    def prepare_arena(self, request_bytes: int, serve_loads: bool = True) -> None:
-        """Make the host arena now, for checkpoints asking about ``request_bytes``, so that its page-locking (CUDA
-        hosts, on a thread of its own) is done before the first capture; the first capture takes it, or replaces it
-        if it asks for more (capture/admission.py). Once: nothing to do after the first call or capture.
-        ``serve_loads``: whether the captures will keep their files in the arena for loading (as
-        :meth:`capture_planned`'s)."""
+    def prepare_arena(self, request_bytes: int, serve_loads: bool = True, cuda_device: int | None = None) -> None:
+        """Make the host arena now, for checkpoints asking about ``request_bytes``, so that its page-locking (for
+        copies from ``cuda_device``; None: state on the CPU, no page-locking) is done, on a thread of its own, before
+        the first capture; the first capture takes it, or replaces it if it asks for more (capture/admission.py).
+        Once: nothing to do after the first call or capture. ``serve_loads``: whether the captures will keep their
+        files in the arena for loading (as :meth:`capture_planned`'s)."""
         if self._data_path is None and self._prepared is None:
-            self._prepared = prepare_arena(self.config, request_bytes, serve_loads)
+            self._prepared = prepare_arena(self.config, request_bytes, serve_loads, cuda_device)
 
     def prepare_planning(self, sample: Any) -> None:
         """Compare the layout planner's fast path with ``torch.save`` on ``sample`` (the training state) now, so that
@@ -181,7 +182,8 @@ class SnapshotEngine:
         back to the arena once written, even with ``serve_from_memory``: for a file no load of this plugin reads.
         Same contract and errors as :meth:`capture`."""
         started_at = time.perf_counter() if started_at is None else started_at
-        data_path = self._open_data_path(arena_request_bytes(layout), serve_loads)
+        devices = {s.device for s in storages if s.nbytes() > 0}
+        data_path = self._open_data_path(arena_request_bytes(layout), serve_loads, cuda_device_of(devices))
         may_skip = lazy is not None and not awaits_commit
         in_flight, held_bytes = self._pending.in_flight, self.held_arena_bytes
         admission = admit(layout, data_path.arena, self.config, may_skip, in_flight, held_bytes)
@@ -194,7 +196,6 @@ class SnapshotEngine:
             return stats
         chunk_bytes = max(4096, min(self.config.chunk_size, data_path.arena.size_bytes // 4))
         eager_keys = eager_record_keys(layout.records, storages, lazy, self.config.eager_copy_size)
-        devices = {s.device for s in storages if s.nbytes() > 0}
         # Writer threads checksum what they write and fill each record's CRC-32 (write/checksums.py).
         session = checksummed(writer.begin(path, layout.total_bytes), layout.checksums)
         # Direct I/O: pieces sit in their arena block as in the file, modulo the disk block, so that writes need no
@@ -243,11 +244,12 @@ class SnapshotEngine:
             self._warn_back_pressure(job.stats.arena_wait_s)
         return job.stats
 
-    def _open_data_path(self, request_bytes: int, serve_loads: bool) -> _DataPath:
+    def _open_data_path(self, request_bytes: int, serve_loads: bool, cuda_device: int | None) -> _DataPath:
         """The arena and the loops over it; the first call sets them up, sized for ``request_bytes`` (``serve_loads``:
-        whether the first capture keeps its file in the arena for loading)."""
+        whether the first capture keeps its file in the arena for loading; ``cuda_device``: where its copies come
+        from, None for the CPU)."""
         if self._data_path is None:
-            arena, resident = open_arena(self.config, request_bytes, self._prepared, serve_loads)
+            arena, resident = open_arena(self.config, request_bytes, self._prepared, serve_loads, cuda_device)
             self._prepared = None
             retire = self._threads.retire_if_idle
             writers = WriteLoop(self._write_queue, arena, resident, self._sharing, self._pending.finish, retire)
