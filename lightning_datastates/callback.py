@@ -119,7 +119,7 @@ class DataStatesCallback(Callback):
 
     def _prepare_arena(self, trainer: Trainer) -> None:
         """Once per fit, have the plugin make its host arena now, sized from the training state, on a rank that
-        saves through it: the arena's page-locking (CUDA hosts) then runs during training, not during the first
+        saves through it: the arena's page-locking (state on a GPU) then runs during training, not during the first
         checkpoint's copy. Where the estimate falls short (another callback saves large tensors), the first save
         makes the arena again, as without this."""
         plugin = self._plugin

@@ -4,7 +4,8 @@
   whole and fully checksummed, 1 otherwise (damaged, missing, or records without a checksum).
 * ``inspect PATH``: what a checkpoint holds: top-level keys, every tensor with dtype, shape and size, totals;
   tensors are read as metadata only (their data is not loaded). ``--json`` for scripts.
-* ``clean DIR_OR_URL...``: remove temporary files of writers that died, and abort their open S3 multipart uploads.
+* ``clean DIR_OR_URL...``: remove temporary files of writers that died, abort their open S3 multipart uploads, and
+  remove what sharded saves that died in flight left in the directory's subdirectories.
 
 PATHs are local paths or URLs (``s3://bucket/key``, any fsspec protocol); ``--storage-options`` takes the same
 JSON object as ``DataStatesIO(storage_options=...)``.
@@ -59,7 +60,9 @@ def _parser() -> argparse.ArgumentParser:
         help="unpickle objects weights_only=True refuses (runs code from the file: only for files you trust)",
     )
     inspect.set_defaults(run=_inspect)
-    clean = commands.add_parser("clean", help="remove temporary files and open uploads of writers that died")
+    clean = commands.add_parser(
+        "clean", help="remove temporary files, open uploads and sharded saves of writers that died"
+    )
     clean.add_argument("directories", nargs="+", metavar="DIR_OR_URL")
     clean.add_argument(
         "--max-age-s",

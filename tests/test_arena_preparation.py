@@ -7,6 +7,7 @@ go shows whether anything on the training thread waits for it.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -133,6 +134,24 @@ def test_cpu_training_on_a_host_with_a_gpu_neither_pins_nor_touches_cuda(tmp_pat
     trainer.fit(BNModel(), make_loader())
     arena = plugin.engine.arena
     assert arena is not None and not arena.pinned and os.listdir(tmp_path / "ckpt")
+    plugin.teardown()
+
+
+def test_copies_from_a_gpu_into_an_arena_made_for_cpu_state_are_said_once(tmp_path, monkeypatch, caplog) -> None:
+    """The arena outlives a fit: a plugin whose first checkpoint was on the CPU keeps a pageable arena. A later
+    checkpoint from a GPU (stood in for by CPU tensors the device rule calls GPU 0) still goes through it, said once."""
+    from lightning_datastates.snapshot import engine as engine_module
+
+    plugin = in_background(DataStatesIO(host_cache="8MiB"))
+    plugin.save_checkpoint({"w": torch.ones(1024)}, str(tmp_path / "cpu.ckpt"))
+    monkeypatch.setattr(engine_module, "cuda_device_of", lambda devices: 0)
+    with caplog.at_level(logging.WARNING, logger="lightning_datastates"):
+        for index in range(2):
+            plugin.save_checkpoint({"w": torch.full((1024,), float(index))}, str(tmp_path / f"gpu{index}.ckpt"))
+    plugin.drain()
+    said = [r for r in caplog.records if "go through pageable host memory" in r.getMessage()]
+    assert len(said) == 1 and not plugin.engine.arena.page_locking
+    assert torch.equal(torch.load(tmp_path / "gpu1.ckpt", weights_only=True)["w"], torch.full((1024,), 1.0))
     plugin.teardown()
 
 

@@ -28,12 +28,12 @@ from lightning_datastates.sharded.publish import (
 )
 from lightning_datastates.sharded.staging import stage_shard
 from lightning_datastates.storage import LocalWriter
-from tests.conftest import assert_bit_equal
+from tests.conftest import assert_bit_equal, dead_pid
 from tests.s3_server import (  # noqa: F401 - the *_fixture imports register the fixtures
     s3_endpoint_fixture,
     s3_fixture,
 )
-from tests.test_sharded_parts import _dead_pid, _write
+from tests.test_sharded_parts import _write
 
 #: The storage operations of a commit, in order: the record written, ``meta.pt`` removed, ``.metadata`` and
 #: ``meta.pt`` written, the record removed.
@@ -279,11 +279,11 @@ def test_on_s3_the_cleanup_leaves_one_whole_checkpoint_after_a_switch_stopped_an
     assert len(steps) == SWITCH_STEPS
     for step in steps[:done]:
         step()
-    s3.put(f"{prefix}/.commit.{host_tag()}.{_dead_pid()}.deadbeef.datastates-pending", b"")
+    s3.put(f"{prefix}/.commit.{host_tag()}.{dead_pid()}.deadbeef.datastates-pending", b"")
     clean_sharded_leftovers(writer, s3.url(f"publish-{done}/run"), max_age_s=3600)
     assert _checkpoint_step(str(s3.download(prefix, tmp_path / "read" / "last.ckpt"))) == (1 if done < 2 else 2)
 
 
 def _as_the_next_run_finds_it(marker: str) -> None:
     """Give this process's marker the pid of a process that is gone, as a later run sees it."""
-    os.rename(marker, marker.replace(f".{os.getpid()}.", f".{_dead_pid()}."))
+    os.rename(marker, marker.replace(f".{os.getpid()}.", f".{dead_pid()}."))

@@ -4,7 +4,7 @@ starts now, waits, or is skipped (``on_arena_full``).
 Call order, on the training thread:
   0) optionally, before any capture (after the first optimizer step, when the state's size is known):
      :func:`prepare_arena`, sized by :func:`state_request_bytes` of the training state, so that the arena is made
-     and page-locked (on CUDA hosts, off the training thread) before the first checkpoint needs it;
+     and page-locked (state on a GPU; off the training thread) before the first checkpoint needs it;
 then inside capture (:mod:`~lightning_datastates.snapshot.engine`):
   1) :func:`open_arena` on the first capture, sized by :func:`arena_request_bytes` of its checkpoint; it takes the
      prepared arena where that one was sized for at least this checkpoint (:meth:`PreparedArena.serves`);

@@ -9,12 +9,12 @@ Blocks may outlive their write: a :attr:`HostArena.reclaim` callback (the reside
 :mod:`~lightning_datastates.load.resident`) keeps written blocks to serve loads from memory, and gives them
 back on demand: when an allocation finds no space, the arena asks it for blocks before waiting.
 
-The buffer is ordinary pageable memory, mapped by the kernel page by page as it is first written (allocating it
-takes microseconds, on any thread). Where a :class:`~lightning_datastates.copy.pinning.Pinner` is given (CUDA hosts),
-a thread of its own page-locks the buffer afterwards, piece by piece from its start
+The buffer is ordinary pageable memory, mapped by the kernel page by page as it is first written (allocating it takes
+microseconds, on any thread). Where a :class:`~lightning_datastates.copy.pinning.Pinner` is given (state on a GPU), a
+thread of its own page-locks the buffer afterwards, piece by piece from its start
 (:mod:`~lightning_datastates.copy.pinning`): copies into a piece not yet locked take the pageable path, none waits for
 it. Free space is handed out lowest offset first, so the first copies land in the pieces locked first. Where nothing
-locks it (CPU hosts), a thread of its own maps in, ahead of the copies, the pages the first checkpoints use
+locks it (state on the CPU), a thread of its own maps in, ahead of the copies, the pages the first checkpoints use
 (:mod:`~lightning_datastates.copy.prefault`): copies into fresh pages are many times slower.
 
 Thread model: any thread may call :meth:`allocate` and :meth:`free`; in this package the copier thread
@@ -216,6 +216,11 @@ class HostArena:
         return address_view(self.buffer.data_ptr() + block.offset, block.nbytes)
 
     # ------------------------------------------------------------------ pinning
+    @property
+    def page_locking(self) -> bool:
+        """Whether the buffer is page-locked or being page-locked (made with a pinner that could take it)."""
+        return self._pinning is not None
+
     @property
     def pinned(self) -> bool:
         """Whether the buffer is page-locked now (False until the background pinning is done, or without a pinner)."""

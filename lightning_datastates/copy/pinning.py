@@ -1,13 +1,13 @@
 """Page-locking the host arena off the training thread.
 
-CUDA copies reach host memory by DMA at the link's full speed only when that memory is page-locked ("pinned");
-into pageable memory they go through a driver staging buffer at a fraction of it. Allocating pinned memory
-(``torch.empty(..., pin_memory=True)``, i.e. ``cudaHostAlloc``) costs about 0.4 s per GiB *on the calling thread*:
-done at the first save, it stalls training for seconds. So the arena is allocated as ordinary pageable memory (the
-kernel maps its pages lazily: microseconds), and an :class:`ArenaPinning` thread page-locks it afterwards with a
-:class:`Pinner` (``cudaHostRegister`` on CUDA hosts). Until that is done, copies into the arena take the pageable
-path: correct, only slower (the copier waits for every chunk's copies on its own stream either way). Training never
-waits for the pinning.
+CUDA copies reach host memory by DMA at the link's full speed only when that memory is page-locked ("pinned"); into
+pageable memory they go through a driver staging buffer at a fraction of it. Allocating pinned memory
+(``torch.empty(..., pin_memory=True)``, i.e. ``cudaHostAlloc``) costs about 0.4 s per GiB *on the calling thread*: done
+at the first save, it stalls training for seconds. So the arena is allocated as ordinary pageable memory (the kernel
+maps its pages lazily: microseconds), and an :class:`ArenaPinning` thread page-locks it afterwards with a
+:class:`Pinner` (``cudaHostRegister``, where the state to checkpoint is on a GPU). Until that is done, copies into the
+arena take the pageable path: correct, only slower (the copier waits for every chunk's copies on its own stream either
+way). Training never waits for the pinning.
 
 The arena is locked in pieces (:data:`PIN_PIECE_BYTES`, cut at the multiples of that size in the address space, in
 address order), not in one call: each piece is usable at the pinned rate as soon as it is locked (the arena hands out
@@ -69,8 +69,8 @@ class CudaHostRegister:
     """:class:`Pinner` through ``cudaHostRegister``: locks memory already allocated by anyone.
 
     Args:
-        device: the CUDA device current on the training thread when the arena was made: the pinning thread makes it
-            current too, so that it creates no context on another GPU (a fresh thread's current device is 0).
+        device: the CUDA device the state to checkpoint is on (:func:`cuda_device_of`): the pinning thread makes it
+            current, so that it creates no context on another GPU (a fresh thread's current device is 0).
     """
 
     def __init__(self, device: int) -> None:
@@ -223,12 +223,12 @@ def fork_excluded_mapping(nbytes: int) -> mmap.mmap | None:
 
 
 def cuda_device_of(devices: Iterable[torch.device]) -> int | None:
-    """The CUDA device copies into the arena come from: the first CUDA device among ``devices`` (the devices of the
-    state to checkpoint), by index (a device without one: the current device); None where none is a CUDA device."""
-    for device in devices:
-        if device.type == "cuda":
-            return torch.cuda.current_device() if device.index is None else device.index
-    return None
+    """The CUDA device copies into the arena come from: the lowest-numbered CUDA device among ``devices`` (the devices
+    of the state to checkpoint; a device without an index is the current one); None where none is a CUDA device.
+    With several, any would do (the arena is registered for every context of the process), but the choice must not
+    depend on the order of a set."""
+    indices = {torch.cuda.current_device() if d.index is None else d.index for d in devices if d.type == "cuda"}
+    return min(indices) if indices else None
 
 
 def default_pinner(cuda_device: int | None) -> Pinner | None:

@@ -1,4 +1,4 @@
-"""Mapping the host arena's pages in off the training thread, where nothing page-locks them (CPU hosts).
+"""Mapping the host arena's pages in off the training thread, where nothing page-locks them (state on the CPU).
 
 The arena is allocated untouched: the kernel maps each page when it is first written. Left to the copier, the first
 checkpoints pay for those page faults during their copy: on this project's VM a copy into fresh pages ran at 1.67 s
@@ -10,8 +10,8 @@ it piece by piece from the arena's start (the arena hands out its lowest free bl
 keeps its bytes. Where the call is missing or refused (older kernels, other systems) nothing happens, and pages are
 mapped as copies first write them, as without this.
 
-On CUDA hosts the pinning thread does this as part of its work (``cudaHostRegister`` faults the pages in as it locks
-them, :mod:`~lightning_datastates.copy.pinning`).
+Where the state is on a GPU the pinning thread does this as part of its work (``cudaHostRegister`` faults the pages
+in as it locks them, :mod:`~lightning_datastates.copy.pinning`).
 
 Call order:
   1) ``ArenaPrefault(memory)`` on the thread that makes the arena: starts the thread ``datastates-arena-prefault``

@@ -11,10 +11,10 @@ With ``host_cache=None`` the arena is sized from the first checkpoint it serves:
   then waits for the flush, chunk by chunk);
 - never below :data:`FLOOR_BYTES`, whatever the host reports.
 
-A user's ``host_cache`` overrides the rule entirely. On a CPU host the pages of the checkpoints that routinely sit
-in the arena together (:func:`checkpoints_mapped_ahead`) are mapped in (resident) shortly after the arena is made,
-by a thread of its own (copy/prefault.py), and the rest of the arena only once a copy first writes it; on a CUDA
-host the whole arena is page-locked (resident) shortly after it is made.
+A user's ``host_cache`` overrides the rule entirely. Where the state is on the CPU the pages of the checkpoints that
+routinely sit in the arena together (:func:`checkpoints_mapped_ahead`) are mapped in (resident) shortly after the arena
+is made, by a thread of its own (copy/prefault.py), and the rest of the arena only once a copy first writes it; where
+it is on a GPU the whole arena is page-locked (resident) shortly after it is made.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def available_memory_bytes() -> int | None:
 
 
 def checkpoints_mapped_ahead(keeps_written: bool) -> int:
-    """How many checkpoints' worth of arena pages to map in ahead of the copies on a CPU host (pure).
+    """How many checkpoints' worth of arena pages to map in ahead of the copies where the state is on the CPU (pure).
 
     :data:`CHECKPOINTS_HELD` where written checkpoints stay in the arena (``serve_from_memory``: the newest one is kept
     for loading, so the next copy lands beside it); one where blocks are freed once written (sharded saves, whose

@@ -49,25 +49,37 @@ def clean_leftovers(writer: StorageWriter, directory: str, max_age_s: float) -> 
 
 
 def clean_sharded_leftovers(writer: StorageWriter, parent: str, max_age_s: float) -> list[str]:
-    """Remove what dead sharded saves left in the subdirectories of ``parent``; the paths removed."""
+    """Remove what dead sharded saves left in the subdirectories of ``parent``; the paths removed.
+
+    A subdirectory that cannot be cleaned (a storage error) is logged and left for the next run, which finds its
+    marker again: what it holds is never taken for a checkpoint, so training need not stop for it.
+    """
     removed: list[str] = []
     now = time.time()
     for entry in writer.list_directory(parent):
         if not entry.is_directory:
             continue
         directory = join_path(parent, entry.name)
-        entries = {e.name: e for e in writer.list_directory(directory)}
-        markers = {n: m for n in entries if (m := parse_leftover_name(n, PENDING_SUFFIX)) is not None}
-        if not markers:
-            continue
-        ages = {n: _age_s(entries[n], now) for n in markers}
-        if not all(writer_gone(m.owner, ages[n], max_age_s, tracks_own_writes=False) for n, m in markers.items()):
-            continue  # a live process still saves here
-        writer.clean_stale(directory, max_age_s)  # the dead ranks' open uploads (S3), temporary files
-        removed += _settle(writer, directory, entries)
+        try:
+            removed += _clean_directory(writer, directory, max_age_s, now)
+        except Exception as exc:  # noqa: BLE001 - logged; the marker stays, the next run tries again
+            log.warning("lightning_datastates: could not clean the dead sharded save in %s (%r); kept", directory, exc)
     if removed:
         log.info("lightning_datastates: removed %d leftover(s) of sharded saves that died in %s", len(removed), parent)
     return removed
+
+
+def _clean_directory(writer: StorageWriter, directory: str, max_age_s: float, now: float) -> list[str]:
+    """Clean ``directory`` if it holds a sharded save that died (a marker whose writer is gone); the paths removed."""
+    entries = {e.name: e for e in writer.list_directory(directory)}
+    markers = {n: m for n in entries if (m := parse_leftover_name(n, PENDING_SUFFIX)) is not None}
+    if not markers:
+        return []
+    ages = {n: _age_s(entries[n], now) for n in markers}
+    if not all(writer_gone(m.owner, ages[n], max_age_s, tracks_own_writes=False) for n, m in markers.items()):
+        return []  # a live process still saves here
+    writer.clean_stale(directory, max_age_s)  # the dead ranks' open uploads (S3), temporary files
+    return _settle(writer, directory, entries)
 
 
 def _settle(writer: StorageWriter, directory: str, entries: dict[str, DirectoryEntry]) -> list[str]:

@@ -29,6 +29,7 @@ go to a :class:`~lightning_datastates.storage.base.StorageWriter`.
 from __future__ import annotations
 
 import io
+import logging
 import queue
 import threading
 import time
@@ -66,6 +67,8 @@ from lightning_datastates.storage.base import StorageWriter
 from lightning_datastates.write.checksums import checksummed
 from lightning_datastates.write.loop import WriteLoop
 from lightning_datastates.write.tasks import WriteQueue
+
+log = logging.getLogger("lightning_datastates")
 
 #: Stats of this many recent checkpoints are kept.
 _HISTORY_LENGTH = 1000
@@ -107,6 +110,7 @@ class SnapshotEngine:
         self._prepared: PreparedArena | None = None  # an arena made before the first capture, for it
         self._layouts = LayoutPlanner(config.storage_alignment)
         self._warned_back_pressure = False
+        self._warned_pageable = False
 
     @property
     def arena(self) -> HostArena | None:
@@ -255,6 +259,17 @@ class SnapshotEngine:
             writers = WriteLoop(self._write_queue, arena, resident, self._sharing, self._pending.finish, retire)
             copier = CopyLoop(arena, self._copiers, self._sharing, self._write_queue, self._copier_wake, retire)
             self._data_path = _DataPath(arena, resident, copier, writers)
+        elif cuda_device is not None and not self._data_path.arena.page_locking and not self._warned_pageable:
+            # The arena outlives a fit: one made for state on the CPU cannot be page-locked later (its memory is not a
+            # mapping kept out of forked children), so copies from a GPU go through pageable memory, said once.
+            self._warned_pageable = True
+            log.warning(
+                "lightning_datastates: checkpoints copied from GPU %d go through pageable host memory (correct, "
+                "slower): the host arena is not page-locked (it was made for state on the CPU, by an earlier fit of "
+                "this plugin or a first checkpoint without GPU tensors, or page-locking was refused). A new "
+                "DataStatesIO for this fit gets a page-locked arena.",
+                cuda_device,
+            )
         return self._data_path
 
     # ------------------------------------------------------------------ barrier
