@@ -271,3 +271,25 @@ def test_a_chunk_copy_waits_for_every_device_before_raising_one_failure() -> Non
     with pytest.raises(RuntimeError, match="injected"):
         ChunkCopy([Failing(), Slow()]).wait()
     assert ended == ["failing", "slow"]
+
+
+def test_the_copy_is_timed_from_its_first_chunk_as_well_as_from_the_save_call(tmp_path, monkeypatch) -> None:
+    """``copying_s`` (what a copy rate is computed from) starts when the copier issues the first chunk, after the save
+    call's planning: shorter than ``copy_s`` by at least that planning."""
+    from lightning_datastates.snapshot import engine
+
+    plan = engine.SnapshotEngine.capture_planned
+
+    def slow_planning(self, *args, **kwargs):
+        time.sleep(0.2)  # stands in for the save call's planning, before any copy is issued
+        return plan(self, *args, **kwargs)
+
+    monkeypatch.setattr(engine.SnapshotEngine, "capture_planned", slow_planning)
+    plugin = in_background(DataStatesIO(host_cache="64MiB", chunk_size="1MiB"), lazy=True)
+    plugin.save_checkpoint({"w": torch.randn(2**20)}, str(tmp_path / "a.ckpt"))  # 4 MiB: four chunks
+    plugin.barrier()
+    plugin.drain()
+    stats = plugin.stats[-1]
+    assert stats.copy_s is not None and stats.copying_s is not None
+    assert 0 < stats.copying_s <= stats.copy_s - 0.2
+    plugin.teardown()

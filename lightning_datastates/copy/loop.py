@@ -212,6 +212,8 @@ class CopyLoop:
             return  # failed or superseded, and no other checkpoint follows it: the bytes would never be committed
         assert job.sources is not None
         block = self._allocate(job, chunk.block_bytes)
+        if job.stats.first_copy_at is None:
+            job.stats.first_copy_at = time.perf_counter()  # after the save call's planning and any wait for space
         try:
             copy = self._copiers.start_chunk(self._arena.tensor(block), chunk.pieces, job.sources, job.marks)
         except BaseException:

@@ -39,7 +39,8 @@ class SnapshotStats:
 
     ``blocked_s`` is the training thread's total wait for this checkpoint: inside ``save_checkpoint`` plus at
     barriers. ``copy_s`` runs from the save call until the last byte reached host memory; ``durable_s`` until
-    the commit.
+    the commit. ``first_copy_at`` is when the copier issued the first chunk's copy (None where no chunk was copied
+    after the save call): :attr:`copying_s` is the copy itself, without the save call's planning.
     """
 
     path: str
@@ -50,6 +51,7 @@ class SnapshotStats:
     written_bytes: int = 0  # handed to storage so far (the drain progress bar reads it)
     barrier_wait_s: float = 0.0
     copy_s: float | None = None
+    first_copy_at: float | None = None  # set by the copier thread, read once ``copied`` is set
     arena_wait_s: float = 0.0  # the copy's wait for arena space held by earlier checkpoints (back-pressure)
     durable_s: float | None = None
     state: str = JobState.COPYING.value
@@ -58,6 +60,15 @@ class SnapshotStats:
     def blocked_s(self) -> float:
         """Training time lost to this checkpoint."""
         return self.save_call_s + self.barrier_wait_s
+
+    @property
+    def copying_s(self) -> float | None:
+        """From the first chunk's copy issued by the copier until the last byte reached host memory (waits for arena
+        space between chunks included); None until copied, or where no chunk was copied after the save call. The
+        copy's rate is ``payload_bytes / copying_s``, comparable with a plain device-to-host ``copy_``."""
+        if self.copy_s is None or self.first_copy_at is None:
+            return None
+        return self.started_at + self.copy_s - self.first_copy_at
 
 
 @dataclass
