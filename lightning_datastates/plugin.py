@@ -56,6 +56,13 @@ class PluginOwner(Protocol):
         """Which storages may be copied after ``save_checkpoint`` returns; None when all must be copied in it."""
 
 
+def on_cpu(storage: Any, location: str) -> Any:
+    """``map_location`` that keeps every storage on the CPU, where ``torch.load`` reads it: the default of
+    :meth:`DataStatesIO.load_checkpoint`, as of Lightning's ``TorchCheckpointIO`` (a GPU checkpoint loads on a host
+    without one, and the ranks of a multi-GPU run do not all load onto ``cuda:0``)."""
+    return storage
+
+
 class DataStatesIO(CheckpointIO):
     """Checkpoint without stalling training: ``Trainer(plugins=[DataStatesIO()])``.
 
@@ -184,9 +191,13 @@ class DataStatesIO(CheckpointIO):
         stats.save_call_s = time.perf_counter() - started
 
     def load_checkpoint(
-        self, path: CheckpointPath, map_location: Any | None = None, weights_only: bool | None = None
+        self, path: CheckpointPath, map_location: Any | None = on_cpu, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        """Load ``path`` once any pending write of it has landed; ``map_location`` and ``weights_only`` as torch.
+        """Load ``path`` once any pending write of it has landed; ``map_location`` and ``weights_only`` as torch's.
+
+        Without ``map_location`` every tensor is loaded onto the CPU, as Lightning's ``TorchCheckpointIO`` does (its
+        strategies pass none, and move the state to the device themselves); ``map_location=None`` is torch's own
+        default, each tensor back onto the device it was saved from.
 
         Raises:
             CheckpointFlushError: the pending write of ``path`` failed.
@@ -195,8 +206,10 @@ class DataStatesIO(CheckpointIO):
         """
         path = checkpoint_path_str(path)
         if self._engine is not None:
-            self._engine.wait_path(path)
-            self.raise_pending_failure(path)
+            # A symbolic link (save_last="link") is read through to its target: a pending save of that file counts.
+            for name in dict.fromkeys((path, path if "://" in path else os.path.realpath(path))):
+                self._engine.wait_path(name)
+                self.raise_pending_failure(name)
             resident = self._engine.open_resident(path)
             if resident is not None:
                 # Served from the host arena: torch reads each storage with readinto, one copy into the new tensors.

@@ -314,6 +314,21 @@ def test_a_flipped_payload_byte_raises_naming_file_and_record(tmp_path) -> None:
     assert not torch.equal(loaded["state_dict"]["w"], checkpoint["state_dict"]["w"])
 
 
+def test_a_zeroed_central_directory_crc_does_not_make_a_damaged_record_load(tmp_path) -> None:
+    """A file written without CRC-32s has none anywhere; a record whose central directory CRC-32 alone is zero (its
+    data descriptor still carries one) is damaged, not unchecked: the damage to its payload must not load."""
+    path = str(tmp_path / "a.ckpt")
+    _save(path, _checkpoint())
+    weights = next(r for r in _records(_read(path)) if r.nbytes == 300 * 70 * 4)
+    assert weights.descriptor_crc32 and len(weights.crc_fields) == 2  # central directory entry, then descriptor
+    with open(path, "r+b") as file:
+        file.seek(weights.crc_fields[0])
+        file.write(bytes(4))
+    _flip(path, weights.data_offset + 12345)
+    with pytest.raises(CheckpointCorruptError, match="central directory entry carries no CRC-32"):
+        DataStatesIO().load_checkpoint(path)
+
+
 def _load_buffer(data: bytes) -> Any:
     verify_buffer(data, "flipped.ckpt")
     return torch.load(BufferReader(bytearray(data)), weights_only=True)

@@ -649,6 +649,52 @@ def test_modelcheckpoint_asks_storage_not_its_listing_cache_whether_a_file_exist
     assert not checkpoint.file_exists(s3.url("cached/last.ckpt"), trainer)
 
 
+@pytest.mark.parametrize("into", ["memfd", "bytearray"])
+def test_an_object_replaced_while_it_is_loaded_is_read_again_whole(s3, monkeypatch, into):
+    """Each ranged GET asks for the ETag the HEAD saw: an object replaced between the HEAD and its reads (here right
+    before the first GET, by another writer) is read again from the start, never mixed with the old one, into an
+    in-memory file (Linux) or a bytearray (elsewhere)."""
+    from lightning_datastates.storage.s3.client import S3Client
+
+    if into == "bytearray":
+        monkeypatch.delattr(os, "memfd_create", raising=False)
+    plugin = DataStatesIO(storage_options={**s3.storage_options, "read_range_bytes": 4096}, serve_from_memory=False)
+    url = s3.url(f"replaced-{into}/a.ckpt")
+    plugin.save_checkpoint({"w": torch.zeros(20_000)}, url)  # outside fit: committed on return
+    newer = io.BytesIO()
+    torch.save({"w": torch.ones(20_000)}, newer)
+    replaced: list[bool] = []
+    call = S3Client.call
+
+    def replacing_call(self, method, **kwargs):
+        if method == "get_object" and not replaced:
+            replaced.append(True)
+            s3.put(f"replaced-{into}/a.ckpt", newer.getvalue())
+        return call(self, method, **kwargs)
+
+    monkeypatch.setattr(S3Client, "call", replacing_call)
+    loaded = plugin.load_checkpoint(url, weights_only=True)
+    assert replaced and torch.equal(loaded["w"], torch.ones(20_000))
+    plugin.teardown()
+
+
+def test_the_last_checkpoint_at_a_url_is_found_when_written_after_a_cached_listing(s3):
+    """``ckpt_path="last"`` lists each ModelCheckpoint's directory through its own s3fs instance, whose listing cache
+    ModelCheckpoint fills itself (its setup lists a non-empty directory); a ``last.ckpt`` the plugin's writers put
+    there afterwards must still be found."""
+    from types import SimpleNamespace
+
+    from lightning_datastates.compat.last_checkpoint import newest_last_checkpoint
+
+    s3.put("listed/epoch=0-step=2.ckpt", b"an earlier checkpoint")
+    callback = ModelCheckpoint(dirpath=s3.url("listed"))
+    callback._fs = fsspec.filesystem("s3", **s3.storage_options)  # as Lightning makes it
+    callback._fs.ls(s3.url("listed"))  # as ModelCheckpoint's setup does: the listing is cached
+    s3.put("listed/last.ckpt", b"the last checkpoint")  # behind the cache, as the plugin's writers do
+    trainer = SimpleNamespace(callbacks=[callback], checkpoint_callbacks=[callback])
+    assert newest_last_checkpoint(trainer) == s3.url("listed/last.ckpt")  # type: ignore[arg-type]
+
+
 def test_the_last_checkpoint_at_a_url_skips_a_directory_that_is_no_checkpoint(s3):
     """A sharded ``last.ckpt`` directory without ``meta.pt`` (a save that never committed) is no candidate, however
     new: the newest committed ``last*.ckpt`` is."""

@@ -71,6 +71,10 @@ def newest_last_checkpoint(trainer: Trainer) -> str | None:
     for callback in trainer.checkpoint_callbacks:
         if isinstance(callback, ModelCheckpoint):
             fs = callback._fs
+            if callback.dirpath is not None:
+                # Our writers change storage behind this file system's listing cache (filled by ModelCheckpoint's own
+                # listings, at setup): a last checkpoint written since would not be listed.
+                fs.invalidate_cache(str(callback.dirpath))
             for path in callback._find_last_checkpoints(trainer):
                 candidates[path if _is_local(fs) else fs.unstrip_protocol(path)] = fs
     dated = {path: stamp for path, fs in candidates.items() if (stamp := _modified_s(fs, path)) is not None}

@@ -92,10 +92,15 @@ def saves_distributed_checkpoint(strategy: Any) -> bool:
 
 
 def checkpoint_path_str(path: CheckpointPath) -> str:
-    """``path`` as a string; a URL that ``pathlib`` collapsed (``s3:/b/k``) is restored."""
+    """``path`` as the plugin keys it: a URL as a string (one that ``pathlib`` collapsed, ``s3:/b/k``, restored); a
+    local path absolute and normalized, so that every spelling of one file (``ck/a.ckpt``, ``./ck//a.ckpt``, its
+    absolute path) names the same pending save, and a write in the background lands where the save call meant even if
+    the working directory changes meanwhile. Symbolic links are kept, not resolved: a save replaces the link itself,
+    as a rename onto it does."""
     text = os.fspath(path)
     # pathlib collapses "s3://bucket/key" into "s3:/bucket/key" (FSDP and ModelParallel pass Paths): restore it.
-    return _COLLAPSED_URL.sub(r"\1://", text) if not isinstance(path, str) else text
+    text = _COLLAPSED_URL.sub(r"\1://", text) if not isinstance(path, str) else text
+    return text if "://" in text else os.path.abspath(text)
 
 
 _COLLAPSED_URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]+):/(?!/)")

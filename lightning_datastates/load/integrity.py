@@ -80,6 +80,16 @@ def verify_buffer(data: Any, path: str) -> IntegrityReport:
             records = read_archive_index(lambda offset, nbytes: view[offset : offset + nbytes], view.nbytes)
         except ArchiveFormatError as exc:
             raise CheckpointCorruptError(f"{path} is damaged: {exc}", path) from exc
+        for record in records:
+            if not record.crc32 and record.descriptor_crc32:
+                # A file written without CRC-32s has none anywhere; one field zeroed must not turn the record (and
+                # any damage to it) into an unchecked one.
+                raise CheckpointCorruptError(
+                    f"{path} is damaged: record {record.short_name}'s central directory entry carries no CRC-32, "
+                    f"its data descriptor {record.descriptor_crc32:08x}",
+                    path,
+                    record.short_name,
+                )
         checked = [r for r in records if r.crc32 or not r.nbytes]
         actual = _checksums(view, checked)
         for record, crc in zip(checked, actual, strict=True):

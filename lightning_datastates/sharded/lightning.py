@@ -77,25 +77,27 @@ def install(
         drain()  # a checkpoint this run saved is committed before it is read
         # Rank 0 decides for every rank, in one broadcast (Lightning's own load makes one too): a rank that took the
         # other branch would wait in a collective the others never join.
-        path, error = strategy.broadcast(_checked_by_rank_0(checkpoint_path_str(checkpoint_path)))
+        path, error, cause = _checked_by_rank_0(checkpoint_path_str(checkpoint_path))
+        path, error = strategy.broadcast((path, error))
         if error is not None:
-            raise FileNotFoundError(error)
+            raise FileNotFoundError(error) from cause  # rank 0's own error chained there; the others get its text
         if not is_url(path):
             return original_load(checkpoint_path, *args, **kwargs)
         weights_only = kwargs.get("weights_only", args[0] if args else None)
         return load_sharded_url(strategy, path, writer_for(path), plugin_storage_options, weights_only)
 
-    def _checked_by_rank_0(path: str) -> tuple[str, str | None]:
-        """``path``, and on rank 0 why the URL ``path`` cannot be loaded (None: it can, or it is no URL)."""
+    def _checked_by_rank_0(path: str) -> tuple[str, str | None, BaseException | None]:
+        """``path``, and on rank 0 why the URL ``path`` cannot be loaded (None: it can, or it is no URL) and the
+        error that said so."""
         if strategy.global_rank != 0 or not is_url(path):
-            return path, None
+            return path, None, None
         try:
             check_sharded_checkpoint(writer_for(path), path)
         except FileNotFoundError as exc:
-            return path, str(exc)
+            return path, str(exc), exc
         except Exception as exc:  # noqa: BLE001 - sent to every rank, raised there
-            return path, f"cannot read {path}: {exc!r}"
-        return path, None
+            return path, f"cannot read {path}: {exc!r}", exc
+        return path, None, None
 
     # On the instance: Lightning calls these through the strategy object; uninstall() drops them again.
     patches: dict[str, Any] = {"save_checkpoint": save_checkpoint, "load_checkpoint": load_checkpoint}

@@ -100,19 +100,20 @@ def fetch_into_memfd(source: ReadsInto, path: str) -> int:
         S3WriteError: a request failed (after retries).
     """
     fd = os.memfd_create("datastates-load", os.MFD_CLOEXEC)
-    mappings: list[mmap.mmap] = []
+    mappings: list[mmap.mmap] = []  # one per attempt, the current one last
     try:
 
         def allocate(size: int) -> memoryview:
-            for old in mappings:  # a retry after the object changed: start over
-                old.close()
-            mappings.clear()
+            # A retry after the object changed starts over in the same file: emptied, then sized again. The failed
+            # attempt's mapping is not closed here: views of it may live on (in the traceback of the error that ended
+            # it) and would make close() fail; nothing writes to it any more (its reads were cancelled and awaited),
+            # and it is closed with the others at the end.
             os.ftruncate(fd, 0)
             os.ftruncate(fd, size)
             if size == 0:
                 return memoryview(bytearray())
             mappings.append(mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE))
-            return memoryview(mappings[0])
+            return memoryview(mappings[-1])
 
         source.read_into(path, allocate)
     except BaseException:
