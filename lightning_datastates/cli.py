@@ -90,6 +90,10 @@ def _verify(args: argparse.Namespace, options: dict[str, Any] | None) -> int:
             print(f"ERROR {path}: {exc}")
             failures += 1
             continue
+        if report.legacy_format:
+            print(f"UNVERIFIED {path}: torch's legacy (non-zip) format, which carries no CRC-32")
+            failures += 1
+            continue
         if report.unchecked:
             names = ", ".join(report.unchecked[:5]) + (", ..." if len(report.unchecked) > 5 else "")
             print(

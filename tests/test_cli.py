@@ -80,6 +80,10 @@ def test_verify_passes_whole_files_and_fails_damaged_missing_and_unchecksummed_o
     assert lines[1].startswith(f"DAMAGED {damaged}") and record in lines[1]
     assert lines[2].startswith("ERROR") and "missing.ckpt" in lines[2]
     assert lines[3].startswith(f"UNVERIFIED {unchecked}") and "data/0" in lines[3]
+    legacy = str(tmp_path / "legacy.ckpt")
+    torch.save({"w": torch.randn(4)}, legacy, _use_new_zipfile_serialization=False)
+    assert main(["verify", legacy]) == 1  # nothing to verify: not OK, and not damaged either
+    assert capsys.readouterr().out.startswith(f"UNVERIFIED {legacy}: torch's legacy (non-zip) format")
 
 
 def test_verify_reads_s3_urls(s3, capsys) -> None:

@@ -678,6 +678,27 @@ def test_an_object_replaced_while_it_is_loaded_is_read_again_whole(s3, monkeypat
     plugin.teardown()
 
 
+def test_a_server_that_ignores_the_range_of_a_get_fails_the_load(s3, monkeypatch):
+    """A ranged GET whose answer is not that range (a server or proxy that ignores Range sends the whole object) must
+    not land at the range's offset: the load fails, naming what was asked and answered, even unverified."""
+    from lightning_datastates.storage.s3.client import S3Client
+
+    options = {**s3.storage_options, "read_range_bytes": 4096, "retries": 0}
+    plugin = DataStatesIO(storage_options=options, serve_from_memory=False, verify_checksums=False)
+    url = s3.url("ranges/a.ckpt")
+    plugin.save_checkpoint({"w": torch.arange(20_000.0)}, url)
+    call = S3Client.call
+
+    async def ignoring_range(self, method, **kwargs):
+        response = await call(self, method, **kwargs)
+        return {k: v for k, v in response.items() if k != "ContentRange"} if method == "get_object" else response
+
+    monkeypatch.setattr(S3Client, "call", ignoring_range)
+    with pytest.raises(Exception, match="the server answered the whole object"):
+        plugin.load_checkpoint(url, weights_only=True)
+    plugin.teardown()
+
+
 def test_the_last_checkpoint_at_a_url_is_found_when_written_after_a_cached_listing(s3):
     """``ckpt_path="last"`` lists each ModelCheckpoint's directory through its own s3fs instance, whose listing cache
     ModelCheckpoint fills itself (its setup lists a non-empty directory); a ``last.ckpt`` the plugin's writers put

@@ -355,6 +355,33 @@ def test_a_url_that_holds_no_sharded_checkpoint_fails_naming_it(tmp_path, s3, mo
             _one_process_fit(tmp_path, monkeypatch, plugin, checkpoint, None, _ShardedBNModel, 1, url)
 
 
+def test_a_damaged_meta_pt_at_a_url_fails_the_resume(tmp_path, s3, monkeypatch):
+    """``meta.pt`` (the loops', callbacks' and schedulers' state) is verified like every file the plugin loads: a
+    flipped byte in it fails the resume with ``CheckpointCorruptError`` naming it, instead of restoring wrong state."""
+    from lightning_datastates.errors import CheckpointCorruptError
+
+    directory = f"damaged-meta-{time.monotonic_ns()}"
+    checkpoint = ModelCheckpoint(dirpath=s3.url(directory), every_n_train_steps=4)
+    plugin = DataStatesIO(storage_options=s3.storage_options)
+    _one_process_fit(tmp_path / "a", monkeypatch, plugin, checkpoint, None, _ShardedBNModel, 1)
+    key = f"{directory}/epoch=0-step=4.ckpt/{LIGHTNING_META_NAME}"
+    meta = bytearray(s3.read(key))
+    meta[len(meta) // 3] ^= 0x01  # inside a record: torch.load alone may not notice
+    s3.put(key, bytes(meta))
+    resume = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"))
+    with pytest.raises(CheckpointCorruptError, match=LIGHTNING_META_NAME):
+        _one_process_fit(
+            tmp_path / "b",
+            monkeypatch,
+            DataStatesIO(storage_options=s3.storage_options),
+            resume,
+            None,
+            _ShardedBNModel,
+            1,
+            s3.url(f"{directory}/epoch=0-step=4.ckpt"),
+        )
+
+
 def test_sharded_fit_on_s3_commits_each_checkpoint_after_its_files(tmp_path, s3, monkeypatch):
     """One process (ModelParallel on CPU), checkpoints in a moto bucket, read back with DCP's fsspec reader."""
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader

@@ -31,18 +31,20 @@ MAX_WORKERS = 8
 @dataclass(frozen=True)
 class IntegrityReport:
     """What a verification covered: ``verified`` of ``records`` records (``verified_bytes`` bytes) matched their
-    CRC-32; ``unchecked`` names the non-empty records that carry no CRC-32."""
+    CRC-32; ``unchecked`` names the non-empty records that carry no CRC-32. ``legacy_format``: the file is in torch's
+    legacy (non-zip) format, which has no records and no CRC-32 at all (nothing was verified)."""
 
     path: str
     records: int
     verified: int
     verified_bytes: int
     unchecked: tuple[str, ...]
+    legacy_format: bool = False
 
     @property
     def complete(self) -> bool:
         """Whether every record was verified."""
-        return not self.unchecked
+        return not self.unchecked and not self.legacy_format
 
 
 def verify_file(path: str) -> IntegrityReport:

@@ -100,9 +100,14 @@ def verify_checkpoint(writer: StorageWriter, path: str) -> IntegrityReport:
     file = _open_local(writer, path, read_ahead=False)
     if file is not None:
         with file:
+            if _head(file).startswith(_LEGACY_MAGIC):
+                return IntegrityReport(path, 0, 0, 0, (), legacy_format=True)
             return verify_open_file(file, path)
     _require(writer, path)
-    return verify_buffer(writer.read_bytes(path), path)
+    data = writer.read_bytes(path)
+    if bytes(memoryview(data)[: len(_LEGACY_MAGIC)]).startswith(_LEGACY_MAGIC):
+        return IntegrityReport(path, 0, 0, 0, (), legacy_format=True)
+    return verify_buffer(data, path)
 
 
 def _open_local(writer: StorageWriter, path: str, read_ahead: bool) -> BinaryIO | None:

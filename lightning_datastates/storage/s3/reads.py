@@ -166,6 +166,11 @@ async def _get_range(client: S3Client, bucket: str, key: str, etag: str, target:
     response = await client.call("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{stop - 1}", IfMatch=etag)
     body = response["Body"]
     try:
+        # A server that ignores Range answers the whole object from its first byte: these bytes would land at
+        # ``start`` unnoticed without a CRC check. Only the range asked for is taken.
+        answered = str(response.get("ContentRange") or "")
+        if not answered.startswith(f"bytes {start}-{stop - 1}/"):
+            raise OSError(f"asked for bytes {start}-{stop - 1}, the server answered {answered or 'the whole object'}")
         position = 0
         while position < target.nbytes:
             chunk = await body.read(min(4 * MiB, target.nbytes - position))
