@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import mmap
 import os
+import pickle
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from lightning_datastates.archive import ArchiveFormatError, ArchiveRecord, read_archive_index
 from lightning_datastates.errors import CheckpointCorruptError
@@ -26,6 +29,11 @@ from lightning_datastates.write.checksums import combine_pieces, crc32
 PIECE_BYTES = 32 * 1024**2
 #: Most threads one verification uses.
 MAX_WORKERS = 8
+
+
+#: The first bytes of a file in torch's legacy format (``torch.save(..., _use_new_zipfile_serialization=False)``): its
+#: magic number, pickled. Such a file is no zip archive and carries no CRC-32.
+LEGACY_MAGIC = pickle.dumps(torch.serialization.MAGIC_NUMBER, protocol=2)
 
 
 @dataclass(frozen=True)
@@ -78,6 +86,8 @@ def verify_buffer(data: Any, path: str) -> IntegrityReport:
     """
     view = memoryview(data).cast("B")
     try:
+        if view[: len(LEGACY_MAGIC)] == LEGACY_MAGIC:
+            return IntegrityReport(path, 0, 0, 0, (), legacy_format=True)  # no zip archive: nothing to verify
         try:
             records = read_archive_index(lambda offset, nbytes: view[offset : offset + nbytes], view.nbytes)
         except ArchiveFormatError as exc:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 from typing import IO, Any, BinaryIO, cast
 
 import torch
@@ -38,9 +37,6 @@ log = logging.getLogger("lightning_datastates")
 
 #: The first bytes of a zip archive (every torch file since torch 1.6, and every file this package writes).
 _ZIP_MAGIC = b"PK\x03\x04"
-#: The first bytes of a file in torch's legacy format (``torch.save(..., _use_new_zipfile_serialization=False)``): its
-#: magic number, pickled. Such a file has no CRC-32 to verify.
-_LEGACY_MAGIC = pickle.dumps(torch.serialization.MAGIC_NUMBER, protocol=2)
 
 
 def load_checkpoint(
@@ -61,13 +57,13 @@ def load_checkpoint(
     file = _open_local(writer, path, read_ahead=not verify_checksums)  # read ahead while torch unpickles
     if file is not None:
         with file:
-            if verify_checksums and not _in_legacy_format(_head(file), path):
+            if verify_checksums:
                 _note_unchecked(verify_open_file(file, path))
             return load_open_file(file, map_location, weights_only)
     _require(writer, path)
     if verify_checksums or writer.prefers_whole_reads:
         buffer = writer.read_bytes(path)
-        if verify_checksums and not _in_legacy_format(bytes(memoryview(buffer)[: len(_LEGACY_MAGIC)]), path):
+        if verify_checksums:
             _note_unchecked(verify_buffer(buffer, path))
         # torch reads storages with readinto straight from the buffer: no second full copy (BytesIO would make one).
         return torch.load(cast(IO[bytes], BufferReader(buffer)), map_location=map_location, weights_only=weights_only)
@@ -100,14 +96,9 @@ def verify_checkpoint(writer: StorageWriter, path: str) -> IntegrityReport:
     file = _open_local(writer, path, read_ahead=False)
     if file is not None:
         with file:
-            if _head(file).startswith(_LEGACY_MAGIC):
-                return IntegrityReport(path, 0, 0, 0, (), legacy_format=True)
             return verify_open_file(file, path)
     _require(writer, path)
-    data = writer.read_bytes(path)
-    if bytes(memoryview(data)[: len(_LEGACY_MAGIC)]).startswith(_LEGACY_MAGIC):
-        return IntegrityReport(path, 0, 0, 0, (), legacy_format=True)
-    return verify_buffer(data, path)
+    return verify_buffer(writer.read_bytes(path), path)
 
 
 def _open_local(writer: StorageWriter, path: str, read_ahead: bool) -> BinaryIO | None:
@@ -123,27 +114,13 @@ def _require(writer: StorageWriter, path: str) -> None:
         raise FileNotFoundError(f"Checkpoint file not found: {path}")
 
 
-def _head(file: Any) -> bytes:
-    """The first bytes of the open ``file`` (as many as the legacy magic), its position back at the start."""
-    file.seek(0)
-    head = file.read(len(_LEGACY_MAGIC))
-    file.seek(0)
-    return bytes(head)
-
-
-def _in_legacy_format(head: bytes, path: str) -> bool:
-    """Whether the file starting with ``head`` is in torch's legacy format (no zip archive, no CRC-32 to check); said
-    once per load, which goes on unverified as ``torch.load`` reads such a file."""
-    if not head.startswith(_LEGACY_MAGIC):
-        return False
-    log.warning(
-        "lightning_datastates: %s is in torch's legacy (non-zip) format, which carries no CRC-32; loaded unverified",
-        path,
-    )
-    return True
-
-
 def _note_unchecked(report: IntegrityReport) -> None:
+    if report.legacy_format:
+        log.warning(
+            "lightning_datastates: %s is in torch's legacy (non-zip) format, which carries no CRC-32; loaded "
+            "unverified",
+            report.path,
+        )
     if report.unchecked:
         log.warning(
             "lightning_datastates: %d record(s) of %s carry no CRC-32 (written by torch.save with its CRC option "

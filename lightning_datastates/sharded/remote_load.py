@@ -12,15 +12,13 @@ this rank's pending commits are drained); DCP's load is collective over the trai
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from lightning.pytorch.strategies import FSDPStrategy
 
 from lightning_datastates.compat.torch import dcp_fsspec_reader
-from lightning_datastates.load.integrity import verify_buffer
+from lightning_datastates.load.reader import load_checkpoint
 from lightning_datastates.sharded.dcp_writer import join_path
 from lightning_datastates.sharded.publish import LIGHTNING_META_NAME
 from lightning_datastates.storage import fsspec_storage_options
@@ -70,10 +68,8 @@ def load_sharded_url(
         _load_fsdp(strategy, reader, strict)
     else:
         _load_model_parallel(strategy, reader, strict)
-    meta_path = join_path(path, LIGHTNING_META_NAME)
-    meta = writer.read_bytes(meta_path)
-    verify_buffer(meta, meta_path)  # as every file this plugin loads: damage raises CheckpointCorruptError
-    return torch.load(io.BytesIO(meta), weights_only=weights_only)
+    # Read, verified and loaded as every file this plugin loads: damage raises CheckpointCorruptError.
+    return load_checkpoint(writer, join_path(path, LIGHTNING_META_NAME), weights_only=weights_only)
 
 
 def _load_model_parallel(strategy: Any, reader: Callable[[], Any], strict: bool) -> None:

@@ -167,10 +167,7 @@ class S3Writer(StorageWriter):
         if not key:
             client.invalidate(path)
             return bool(client.fs.exists(client.strip(path)))  # a bucket
-        found = client.run(
-            f"looking up {path}", lambda: client.call("head_object", Bucket=bucket, Key=key), missing_ok=True
-        )
-        if found is not None:
+        if self._head(path, bucket, key) is not None:
             return True
         prefix = key + "/"
         page = client.run(
@@ -182,13 +179,17 @@ class S3Writer(StorageWriter):
 
     def fingerprint(self, path: str) -> Hashable | None:
         """ETag, size and modification time of the object at ``path`` (one HEAD request); None if it is missing."""
+        head = self._head(path, *self.client.split(path))
+        return None if head is None else (str(head["ETag"]), int(head["ContentLength"]), str(head.get("LastModified")))
+
+    def _head(self, path: str, bucket: str, key: str) -> dict[str, Any] | None:
+        """The ``HeadObject`` answer for ``key`` (of ``path``), with this writer's timeout and retries; None if there
+        is no such object."""
         client = self.client
-        bucket, key = client.split(path)
-        try:
-            head = client.run(f"looking up {path}", lambda: client.call("head_object", Bucket=bucket, Key=key))
-        except S3NotFoundError:
-            return None
-        return (str(head["ETag"]), int(head["ContentLength"]), str(head.get("LastModified")))
+        head: dict[str, Any] | None = client.run(
+            f"looking up {path}", lambda: client.call("head_object", Bucket=bucket, Key=key), missing_ok=True
+        )
+        return head
 
     def remove(self, path: str) -> None:
         """Delete the object at ``path`` and every object under ``path/`` (sharded checkpoints); missing is fine.
