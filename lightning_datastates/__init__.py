@@ -20,8 +20,8 @@ if TYPE_CHECKING:
         DataStatesError,
     )
     from lightning_datastates.plugin import DataStatesIO
+    from lightning_datastates.records.job import SnapshotStats
     from lightning_datastates.snapshot.backpressure import BackPressureWarning
-    from lightning_datastates.snapshot.job import SnapshotStats
 
 # Imported on first use (PEP 562): the plugin pulls in Lightning, seconds of startup that the command line
 # (`python -m lightning_datastates verify ...`) does not need.
@@ -34,7 +34,7 @@ _EXPORTS = {
     "DataStatesError": "lightning_datastates.errors",
     "DataStatesCallback": "lightning_datastates.callback",
     "DataStatesIO": "lightning_datastates.plugin",
-    "SnapshotStats": "lightning_datastates.snapshot.job",
+    "SnapshotStats": "lightning_datastates.records.job",
 }
 
 

@@ -23,10 +23,10 @@ from typing import Any
 import torch
 
 from lightning_datastates.compat.torch import fake_tensor_mode, loaded_storage_key, loaded_storage_nbytes
+from lightning_datastates.config import DEFAULT_STALE_AGE_S
 from lightning_datastates.errors import CheckpointCorruptError
 from lightning_datastates.load.reader import verify_checkpoint
 from lightning_datastates.storage import LocalWriter, StorageWriter, local_path, writer_for
-from lightning_datastates.storage.base import DEFAULT_STALE_AGE_S
 
 
 def main(argv: Sequence[str] | None = None) -> int:

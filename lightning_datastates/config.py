@@ -9,7 +9,6 @@ from typing import Any, Literal, get_args
 
 from lightning_datastates.copy import sizing
 from lightning_datastates.errors import ConfigError
-from lightning_datastates.storage.base import DEFAULT_STALE_AGE_S
 
 #: A size setting: bytes as an int, or a string such as ``"8GiB"``, ``"512MB"``, ``"4096"``.
 Size = int | str
@@ -46,6 +45,10 @@ _MAX_SIZE_BYTES = 2**60  # 1 EiB
 #: Largest ``storage_alignment``: a 16 MiB Lustre stripe.
 MAX_ALIGNMENT = 16 * 1024**2
 _SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+#: Leftovers whose writer cannot be asked whether it is alive (a temporary file of another host, an S3 upload with no
+#: marker) are removed by ``StorageWriter.clean_stale`` once they are this old (by default; the rule is
+#: :mod:`~lightning_datastates.storage.leftovers`'s).
+DEFAULT_STALE_AGE_S = 3600.0
 
 
 def parse_size(value: Size, name: str) -> int:
@@ -100,7 +103,7 @@ class DataStatesConfig:
     serve_from_memory: bool = True
     direct_io: DirectIO = "auto"
     # Not a user setting: lazy chunks of host tensors are written straight from them when the storage takes writes
-    # at memory speed (write/through.py). Tests turn it off to exercise the arena path on the CPU.
+    # at memory speed (records/through.py). Tests turn it off to exercise the arena path on the CPU.
     write_through: bool = field(default=True, metadata={"user_setting": False})
 
     def __post_init__(self) -> None:

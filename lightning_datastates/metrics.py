@@ -35,7 +35,7 @@ from lightning.pytorch import Trainer
 from torchmetrics import MaxMetric, MeanMetric, Metric, SumMetric
 
 from lightning_datastates.compat.lightning import logging_step
-from lightning_datastates.snapshot.job import JobState, SnapshotStats
+from lightning_datastates.records.job import JobState, SnapshotStats
 
 if TYPE_CHECKING:
     from lightning_datastates.plugin import DataStatesIO

@@ -16,9 +16,10 @@ from typing import IO, TYPE_CHECKING, Any, Protocol, cast
 import torch
 from lightning.pytorch.plugins.io import CheckpointIO
 
-from lightning_datastates.compat.last_checkpoint import resolve_last_at_urls
+from lightning_datastates.compat.last_checkpoint import resolve_last_checkpoint
 from lightning_datastates.compat.lightning import CheckpointPath, checkpoint_path_str, unwrap_checkpoint_io
 from lightning_datastates.config import (
+    DEFAULT_STALE_AGE_S,
     USER_SETTINGS,
     ArenaFullPolicy,
     DataStatesConfig,
@@ -29,11 +30,12 @@ from lightning_datastates.config import (
 from lightning_datastates.errors import CheckpointFlushError
 from lightning_datastates.interrupts import sigint_deferred
 from lightning_datastates.load.reader import load_checkpoint
+from lightning_datastates.records.job import SnapshotStats
 from lightning_datastates.sharded.leftovers import clean_leftovers
 from lightning_datastates.snapshot.engine import LazyPredicate, SnapshotEngine
-from lightning_datastates.snapshot.job import SnapshotStats
+from lightning_datastates.snapshot.pending import flush_error
 from lightning_datastates.storage import StorageWriter, writer_for, writer_kind
-from lightning_datastates.storage.base import DEFAULT_STALE_AGE_S
+from lightning_datastates.storage.removal import remove_checkpoint
 
 if TYPE_CHECKING:
     from lightning_datastates.sharded.saver import ShardedSaver
@@ -147,9 +149,9 @@ class DataStatesIO(CheckpointIO):
         # One storage writer per protocol ("" for local paths), built on first use; on the training thread only.
         self._writers: dict[str, StorageWriter] = {}
         self._sharded: ShardedSaver | None = None  # set while a sharded strategy's saves go through the plugin
-        # Lightning resolves fit(ckpt_path="last") before any hook of ours runs, and cannot at a URL: fixed for the
-        # Trainers whose checkpoints go through a DataStatesIO (compat/last_checkpoint.py).
-        resolve_last_at_urls(_checkpoints_through_the_plugin)
+        # Lightning resolves fit(ckpt_path="last") before any hook of ours runs, cannot at a URL, and takes a sharded
+        # directory a dead save left torn: fixed for the Trainers that use a DataStatesIO (compat/last_checkpoint.py).
+        resolve_last_checkpoint(_checkpoints_through_the_plugin)
 
     # ------------------------------------------------------------------ CheckpointIO
     def save_checkpoint(
@@ -173,8 +175,8 @@ class DataStatesIO(CheckpointIO):
         directory = os.path.dirname(path) or "."
         lazy, awaits_commit = self.lazy_for_save()
         try:
-            if directory not in self._cleaned_directories:
-                self.clean_stale(directory)
+            self.clean_stale(directory)
+            self.engine.pending.before_save(path)  # a removal of this path held back must not delete the new file
             with sigint_deferred():  # Ctrl+C must not split a capture (see interrupts.py)
                 stats = self.engine.capture(checkpoint, path, writer, lazy, awaits_commit=awaits_commit)
         except OSError as exc:
@@ -235,32 +237,29 @@ class DataStatesIO(CheckpointIO):
         return owner.lazy_predicate(), False
 
     def remove_checkpoint(self, path: CheckpointPath) -> None:
-        """Drop a pending write of ``path`` (or let a commit in progress end), then delete the file.
+        """Drop a pending write of ``path`` (or let a commit in progress end), then delete the file, or the sharded
+        checkpoint's directory, in an order that no crash can leave torn (see ``storage/removal.py``).
 
-        The deletion waits (in the background) until every checkpoint saved before this call is committed, and
-        is dropped if one of them fails: ModelCheckpoint removes the previous best right after saving the new
-        one, which must not leave the run without a checkpoint.
+        The deletion waits (in the background) until every checkpoint saved before this call is committed, single
+        files and sharded directories alike, and is dropped if one of them fails: ModelCheckpoint removes the
+        previous best right after saving the new one, which must not leave the run without a checkpoint.
+
+        Raises:
+            OSError: the removal ran at once (nothing pending) and failed; one carried out later is logged instead.
         """
         path = checkpoint_path_str(path)
         writer = self.writer_for(path)
-        if self._sharded is not None and self._sharded.committer.remove_after_pending(
-            path, lambda: writer.remove(path)
-        ):
-            return  # a sharded checkpoint is still being committed: the removal waits for it
         if self._engine is None:
-            writer.remove(path)
+            remove_checkpoint(writer, path)
             return
-        self._engine.remove_after_pending(path, lambda: writer.remove(path))
+        self._engine.remove_after_pending(path, lambda: remove_checkpoint(writer, path))
 
     def counts_as_existing(self, path: CheckpointPath, exists: bool) -> bool:
         """Whether ModelCheckpoint should see ``path`` as existing, as after a synchronous save or removal."""
         path = checkpoint_path_str(path)
         if self._engine is None:
             return exists
-        sharded = self._sharded.committer if self._sharded is not None else None
-        pending = self._engine.is_pending(path) or (sharded is not None and sharded.is_pending(path))
-        deferred = self._engine.is_removal_deferred(path) or (sharded is not None and sharded.is_removal_deferred(path))
-        return (exists or pending) and not deferred
+        return (exists or self._engine.is_pending(path)) and not self._engine.is_removal_deferred(path)
 
     def teardown(self) -> None:
         """Finish every pending write and stop the threads (they restart if the plugin is used again).
@@ -270,15 +269,12 @@ class DataStatesIO(CheckpointIO):
         """
         if self._engine is None:
             return
-        if self._sharded is not None:
-            self._sharded.committer.drain()
-        self._engine.close()
+        self._engine.close()  # drains every pending save, sharded commits included
         for failed in self._engine.unreported_failures():
             log.error(
-                "lightning_datastates: writing checkpoint %s failed: %r (raised as CheckpointFlushError by the next "
-                "call of the plugin); earlier checkpoints are intact",
-                failed.path,
-                failed.error,
+                "lightning_datastates: %s (raised as CheckpointFlushError by the next call of the plugin); earlier "
+                "checkpoints are intact",
+                flush_error(failed),
             )
 
     # ------------------------------------------------------------------ used by the callback and the demo
@@ -319,18 +315,13 @@ class DataStatesIO(CheckpointIO):
         return 0.0 if self._engine is None else self._engine.wait_copies()
 
     def drain(self) -> None:
-        """Wait until every pending checkpoint is committed or failed."""
-        if self._sharded is not None:
-            self._sharded.committer.drain()  # waits for the engine's shard files first
+        """Wait until every pending checkpoint is committed or failed (sharded ones included)."""
         if self._engine is not None:
             self._engine.drain()
 
     def is_pending(self, path: CheckpointPath) -> bool:
         """Whether ``path`` has a checkpoint that is saved but not yet on storage (a sharded one: not yet committed)."""
-        path = checkpoint_path_str(path)
-        if self._sharded is not None and self._sharded.committer.is_pending(path):
-            return True
-        return self._engine is not None and self._engine.is_pending(path)
+        return self._engine is not None and self._engine.is_pending(checkpoint_path_str(path))
 
     def raise_pending_failure(self, path: str | None = None) -> None:
         """Raise the oldest unreported background failure (of ``path`` if given) as ``CheckpointFlushError``.
@@ -341,19 +332,18 @@ class DataStatesIO(CheckpointIO):
             return
         if path is None and self.config.on_flush_error == "warn":
             self._engine.warn_failures()
-            while self._sharded is not None and (uncommitted := self._sharded.committer.pop_failure()) is not None:
-                log.warning("lightning_datastates: %s; training goes on (on_flush_error='warn')", uncommitted)
             return
-        job = self._engine.pop_failure(path)
-        if job is not None:
-            raise CheckpointFlushError(f"writing checkpoint {job.path} failed: {job.error!r}", job.path) from job.error
-        if self._sharded is not None:
-            uncommitted = self._sharded.committer.pop_failure()  # another rank's failure left it uncommitted
-            if uncommitted is not None:
-                raise uncommitted
+        failed = self._engine.pop_failure(path)
+        if failed is not None:
+            error = flush_error(failed)
+            raise error from error.__cause__
 
     def clean_stale(self, directory: str) -> list[str]:
-        """Remove temporary files that crashed runs left in ``directory`` (done once per directory)."""
+        """Remove what crashed runs left in ``directory`` (temporary files, open uploads, sharded saves that died,
+        removals that died half-way): once per directory and run, whoever asks first (the callback's setup, a save)."""
+        directory = directory.rstrip("/") or "/"
+        if directory in self._cleaned_directories:
+            return []
         self._cleaned_directories.add(directory)
         removed = clean_leftovers(self.writer_for(directory), directory, self.config.stale_after_s)
         if removed:
@@ -389,7 +379,7 @@ class DataStatesIO(CheckpointIO):
             return
         from lightning_datastates.sharded.lightning import uninstall
 
-        self._sharded.committer.drain()
+        self.drain()
         uninstall(strategy)
         self._sharded = None
 

@@ -19,7 +19,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
 
 from lightning_datastates.compat.lightning import Tqdm
-from lightning_datastates.snapshot.job import SnapshotStats
+from lightning_datastates.records.job import SnapshotStats
 
 if TYPE_CHECKING:
     from lightning_datastates.plugin import DataStatesIO

@@ -17,8 +17,8 @@ import time
 from bench_common import parse_args, random_checkpoint
 
 from lightning_datastates import DataStatesIO
+from lightning_datastates.records.checksums import WINDOW_BYTES
 from lightning_datastates.snapshot import engine as engine_module
-from lightning_datastates.write.checksums import WINDOW_BYTES
 
 
 class WindowedSession:

@@ -28,9 +28,9 @@ from lightning_datastates.copy.loop import CopyLoop
 from lightning_datastates.copy.sharing import SharedCopies
 from lightning_datastates.load import resident
 from lightning_datastates.plugin import DataStatesIO
+from lightning_datastates.records.job import SnapshotJob
+from lightning_datastates.records.through import WriteThrough
 from lightning_datastates.snapshot.engine import SnapshotEngine
-from lightning_datastates.snapshot.job import SnapshotJob
-from lightning_datastates.write.through import WriteThrough
 
 
 @pytest.fixture(autouse=True)

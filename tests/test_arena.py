@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from lightning_datastates.alignment import PAGE_ALIGNMENT_BYTES
-from lightning_datastates.copy.arena import ArenaClosed, Block, HostArena
+from lightning_datastates.copy.arena import ArenaClosed, HostArena
+from lightning_datastates.records.block import Block
 
 PAGE = PAGE_ALIGNMENT_BYTES
 JOIN_S = 10.0  # generous: only a hang makes a join wait this long

@@ -23,8 +23,8 @@ from lightning_datastates.capture.admission import PREPARED_TOLERANCE, PreparedA
 from lightning_datastates.config import DataStatesConfig
 from lightning_datastates.copy import copier, pinning, sizing
 from lightning_datastates.copy.arena import HostArena
+from lightning_datastates.records.job import JobState, SnapshotStats
 from lightning_datastates.snapshot.backpressure import BackPressureWarning, describe_back_pressure
-from lightning_datastates.snapshot.job import JobState, SnapshotStats
 from lightning_datastates.strategies import gathers_full_state
 from tests.conftest import BNModel, assert_bit_equal, every_step_checkpoint, in_background, make_loader, make_trainer
 

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from lightning_datastates.capture.chunks import PIECE_ALIGNMENT_BYTES, Chunk, Piece, plan_chunks
-from lightning_datastates.capture.layout import StorageRecord
+from lightning_datastates.records.chunks import PIECE_ALIGNMENT_BYTES, Chunk, Piece, plan_chunks
+from lightning_datastates.records.layout import StorageRecord
 
 
 def _records(sizes: list[int], start: int = 64, alignment: int = 64) -> list[StorageRecord]:

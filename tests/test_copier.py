@@ -17,8 +17,6 @@ import pytest
 import torch
 
 from lightning_datastates import DataStatesIO
-from lightning_datastates.capture.chunks import Piece, plan_chunks
-from lightning_datastates.capture.layout import StorageRecord
 from lightning_datastates.copy.copier import (
     COPY_WINDOW_BYTES,
     GIL_HELD_COPY_BYTES,
@@ -30,6 +28,8 @@ from lightning_datastates.copy.copier import (
     copy_host_bytes,
 )
 from lightning_datastates.copy.loop import IN_FLIGHT_CHUNKS
+from lightning_datastates.records.chunks import Piece, plan_chunks
+from lightning_datastates.records.layout import StorageRecord
 from tests.conftest import assert_bit_equal, in_background, storage_bytes
 
 SIZES = [0, 1, 63, 4096, GIL_HELD_COPY_BYTES, GIL_HELD_COPY_BYTES + 1, COPY_WINDOW_BYTES, 3 * COPY_WINDOW_BYTES + 77]

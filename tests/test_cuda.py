@@ -230,8 +230,9 @@ def test_the_save_calls_fast_pickling_reproduces_torch_save_for_cuda_tensors():
     """The fast path names a CUDA storage's location with a new string each time, as torch does (the pickle's memo
     compares identities): its first plan is compared with torch.save's and must be taken (confirmed, not refused),
     and the next one spliced."""
-    from lightning_datastates.capture.layout import VerifiedStructures, plan_layout
+    from lightning_datastates.capture.layout import plan_layout
     from lightning_datastates.capture.skeleton import pickle_skeleton
+    from lightning_datastates.capture.verified import VerifiedStructures
 
     weights = torch.randn(64, 64, device="cuda")
     checkpoint = {

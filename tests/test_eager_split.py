@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from lightning_datastates.capture.layout import StorageRecord
 from lightning_datastates.capture.planning import eager_record_keys
+from lightning_datastates.records.layout import StorageRecord
 
 EAGER_COPY_SIZE = 64 * 1024
 

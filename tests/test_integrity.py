@@ -24,15 +24,21 @@ from typing import Any
 import pytest
 import torch
 
-import lightning_datastates.write.checksums as checksums
+import lightning_datastates.records.checksums as checksums
 from lightning_datastates import CheckpointCorruptError, DataStatesIO
 from lightning_datastates.archive import ArchiveFormatError, read_archive_index
 from lightning_datastates.capture.layout import plan_layout
 from lightning_datastates.errors import ConfigError
 from lightning_datastates.load.integrity import verify_buffer, verify_file
-from lightning_datastates.storage.base import WriteSession
+from lightning_datastates.records.checksums import (
+    WINDOW_BYTES,
+    ChecksummingSession,
+    combine_pieces,
+    crc32,
+    crc32_combine,
+)
+from lightning_datastates.records.session import WriteSession
 from lightning_datastates.streams import BufferReader
-from lightning_datastates.write.checksums import WINDOW_BYTES, ChecksummingSession, combine_pieces, crc32, crc32_combine
 from tests.conftest import (
     BNModel,
     assert_bit_equal,

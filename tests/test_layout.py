@@ -28,19 +28,17 @@ from torch import nn
 
 import lightning_datastates.capture.layout as layout_module
 from lightning_datastates import DataStatesIO
-from lightning_datastates.capture.layout import (
-    CheckpointLayout,
+from lightning_datastates.capture.layout import _check_layout, _match_records, plan_layout
+from lightning_datastates.capture.segments import (
     LayoutUnsupported,
-    StorageRecord,
-    VerifiedStructures,
-    _check_layout,
-    _match_records,
+    cut_ranges,
     joined_segments,
-    plan_layout,
     with_metadata_checksums,
 )
+from lightning_datastates.capture.verified import VerifiedStructures
 from lightning_datastates.compat.torch import NEVER_STORAGE_TYPES, storage_identity
 from lightning_datastates.errors import CheckpointCaptureError
+from lightning_datastates.records.layout import CheckpointLayout, StorageRecord
 from tests.conftest import storage_bytes
 
 pytestmark = [
@@ -741,11 +739,11 @@ def test_a_structure_differing_only_in_its_bytes_is_not_taken_for_a_verified_one
 
 def test_cut_refuses_ranges_outside_the_segments_or_across_them() -> None:
     segments = ((0, b"abcdef"), (100, b"uvwxyz"))
-    assert layout_module._cut(segments, [(2, 2), (101, 1)]) == ((0, b"ab"), (4, b"ef"), (100, b"u"), (102, b"wxyz"))
+    assert cut_ranges(segments, [(2, 2), (101, 1)]) == ((0, b"ab"), (4, b"ef"), (100, b"u"), (102, b"wxyz"))
     with pytest.raises(LayoutUnsupported, match="outside"):
-        layout_module._cut(segments, [(50, 4)])  # in the hole between the segments
+        cut_ranges(segments, [(50, 4)])  # in the hole between the segments
     with pytest.raises(LayoutUnsupported, match="straddle"):
-        layout_module._cut(segments, [(4, 4)])  # past the first segment's end
+        cut_ranges(segments, [(4, 4)])  # past the first segment's end
 
 
 # ---------------------------------------------------------------------------------------- metadata checksums

@@ -14,19 +14,19 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from lightning_datastates.records.names import COMMIT_RECORD_NAME, DCP_METADATA_NAME, LIGHTNING_META_NAME
 from lightning_datastates.sharded.commit import ShardedCommitter, ShardedSave
-from lightning_datastates.sharded.dcp_writer import DCP_METADATA_NAME, plan_checkpoint
+from lightning_datastates.sharded.dcp_writer import plan_checkpoint
 from lightning_datastates.sharded.layout import ArchivePlans
 from lightning_datastates.sharded.leftovers import clean_sharded_leftovers, mark_pending
 from lightning_datastates.sharded.publish import (
-    COMMIT_RECORD_NAME,
-    LIGHTNING_META_NAME,
     decode_record,
     encode_record,
     switch_to_record,
     write_commit_record,
 )
 from lightning_datastates.sharded.staging import stage_shard
+from lightning_datastates.snapshot.pending import PendingCheckpoints
 from lightning_datastates.storage import LocalWriter
 from tests.conftest import assert_bit_equal, dead_pid
 from tests.s3_server import (  # noqa: F401 - the *_fixture imports register the fixtures
@@ -155,7 +155,7 @@ def test_a_storage_error_during_the_commit_never_loses_the_checkpoint_held(tmp_p
     first = _committed(str(directory), 1, plans)
     second = _saved(str(directory), 2, plans)
     writer = _FaultyWriter(fails_at, _refuse)
-    committer = ShardedCommitter(None, 0, lambda path: None, lambda path: writer)
+    committer = ShardedCommitter(None, 0, PendingCheckpoints(), lambda path: None, lambda path: writer)
     marker = mark_pending(LocalWriter(), str(directory))
     save = ShardedSave(str(directory), None, second.staged, second.meta_bytes, marker)
     error, settled = committer._publish(save, second.planned, (second.file,))
@@ -185,7 +185,7 @@ def test_the_next_save_after_a_switch_stopped_half_way_finishes_it_first(tmp_pat
     _committed(str(directory), 1, plans)
     second, third = _saved(str(directory), 2, plans), _saved(str(directory), 3, plans)
     writers: list[LocalWriter] = [_FaultyWriter(first_stops_at, _refuse)]
-    committer = ShardedCommitter(None, 0, lambda path: None, lambda path: writers[0])
+    committer = ShardedCommitter(None, 0, PendingCheckpoints(), lambda path: None, lambda path: writers[0])
     markers = [mark_pending(LocalWriter(), str(directory))]
     save = ShardedSave(str(directory), None, second.staged, second.meta_bytes, markers[0])
     assert committer._publish(save, second.planned, (second.file,))[1] is False
@@ -219,7 +219,7 @@ def test_a_directory_emptied_after_a_switch_stopped_half_way_takes_the_next_save
     _committed(str(directory), 1, plans)
     second = _saved(str(directory), 2, plans)
     writers: list[LocalWriter] = [_FaultyWriter(2, _refuse)]
-    committer = ShardedCommitter(None, 0, lambda path: None, lambda path: writers[0])
+    committer = ShardedCommitter(None, 0, PendingCheckpoints(), lambda path: None, lambda path: writers[0])
     save = ShardedSave(str(directory), None, second.staged, second.meta_bytes, None)
     assert committer._publish(save, second.planned, (second.file,))[1] is False
     kept = {COMMIT_RECORD_NAME} if lost == "the shard files" else set()

@@ -5,7 +5,7 @@ cache (``hits``, ``misses``, ``evictions``) say whether memory or storage served
 
 Checkpoints reach the arena when their bytes come from a GPU, or go to storage whose writes are not fast (S3,
 direct I/O, gated test writers); host tensors written to a local page cache skip the arena (write-through,
-write/through.py) and are read back from the page cache instead. So most tests here mark local writes as slow
+records/through.py) and are read back from the page cache instead. So most tests here mark local writes as slow
 (``arena_path``), which routes every byte through the arena as on those targets; the last test checks the default.
 """
 

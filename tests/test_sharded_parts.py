@@ -24,13 +24,15 @@ from lightning_datastates import DataStatesIO
 from lightning_datastates.alignment import align_up
 from lightning_datastates.compat.torch import local_shard
 from lightning_datastates.errors import CheckpointCaptureError, CheckpointFlushError
-from lightning_datastates.sharded.commit import LIGHTNING_META_NAME, ShardedSave
-from lightning_datastates.sharded.dcp_writer import DCP_METADATA_NAME, plan_checkpoint
+from lightning_datastates.records.names import DCP_METADATA_NAME, LIGHTNING_META_NAME, PENDING_SUFFIX
+from lightning_datastates.sharded.commit import ShardedSave
+from lightning_datastates.sharded.dcp_writer import plan_checkpoint
 from lightning_datastates.sharded.layout import ArchivePlans, plan_shard_file
-from lightning_datastates.sharded.leftovers import PENDING_SUFFIX, clean_sharded_leftovers, mark_pending
+from lightning_datastates.sharded.leftovers import clean_sharded_leftovers, mark_pending
 from lightning_datastates.sharded.publish import write_commit_record
 from lightning_datastates.sharded.saver import ShardedSaver
 from lightning_datastates.sharded.staging import LocalPlans, stage_shard
+from lightning_datastates.snapshot.pending import PendingCheckpoints
 from lightning_datastates.storage import LocalWriter
 from lightning_datastates.storage.leftovers import host_tag
 from tests.conftest import BNModel, assert_bit_equal, dead_pid, make_loader, make_trainer, temp_files
@@ -420,7 +422,7 @@ class _RemoveThenSaveAgain(L.Callback):
             self.hold.clear()
             trainer.save_checkpoint(str(self.directory / "other.ckpt"))
             trainer.strategy.remove_checkpoint(user)
-            self.deferred = trainer.strategy.checkpoint_io._sharded.committer.is_removal_deferred(user)
+            self.deferred = trainer.strategy.checkpoint_io.engine.is_removal_deferred(user)
             trainer.save_checkpoint(user)
             self.state_at_save = {k: local_shard(v).detach().clone() for k, v in pl_module.state_dict().items()}
             self.pending = trainer.strategy.checkpoint_io.is_pending(user)  # its commit is held
@@ -486,7 +488,7 @@ class _SaverHost:
     ``pending`` is the earlier background failure it raises, if any."""
 
     def __init__(self, pending: BaseException | None = None) -> None:
-        self.engine = SimpleNamespace(wait_path=lambda path: None)
+        self.engine = SimpleNamespace(wait_path=lambda path: None, pending=PendingCheckpoints())
         self.pending = pending
 
     def writer_for(self, path: str) -> LocalWriter:

@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 import lightning_datastates.capture.layout as layout_module
-from lightning_datastates.capture.layout import VerifiedStructures, plan_layout
+from lightning_datastates.capture.layout import plan_layout
 from lightning_datastates.capture.planning import LayoutPlanner
 from lightning_datastates.capture.skeleton import PickledSkeleton, SkeletonUnsupported, pickle_skeleton
+from lightning_datastates.capture.verified import VerifiedStructures
 from lightning_datastates.compat.torch import storage_identity
 from tests.conftest import (
     BNModel,

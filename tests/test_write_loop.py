@@ -1,4 +1,4 @@
-"""The writer threads' task dispatch (write/loop.py, write/tasks.py), called directly: no threads, no storage."""
+"""The writer threads' task dispatch (write/loop.py, records/tasks.py), called directly: no threads, no storage."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 
 from lightning_datastates.copy.arena import HostArena
 from lightning_datastates.copy.sharing import SharedCopies
+from lightning_datastates.records.tasks import Commit, WriteMetadata
 from lightning_datastates.write.loop import WriteLoop
-from lightning_datastates.write.tasks import Commit, WriteMetadata
 
 
 class _Session:

@@ -1,4 +1,4 @@
-"""Write-through: lazy chunks of host tensors written straight to the file until the barrier (write/through.py).
+"""Write-through: lazy chunks of host tensors written straight to the file until the barrier (records/through.py).
 
 It applies to page-cache writes only: local files with ``direct_io=False`` (or where the file system refuses direct
 I/O), and the generic fsspec spool.
@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from lightning_datastates import DataStatesIO
+from lightning_datastates.records.through import WriteThrough
 from lightning_datastates.storage.local import LocalWriter, LocalWriteSession
-from lightning_datastates.write.through import WriteThrough
 from tests.conftest import assert_bit_equal, in_background
 
 MiB = 2**20

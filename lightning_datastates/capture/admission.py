@@ -23,13 +23,13 @@ from dataclasses import dataclass
 import torch
 
 from lightning_datastates.alignment import PAGE_ALIGNMENT_BYTES
-from lightning_datastates.capture.layout import CheckpointLayout
 from lightning_datastates.compat.torch import storage_identity
 from lightning_datastates.config import DataStatesConfig
 from lightning_datastates.copy import pinning, sizing
 from lightning_datastates.copy.arena import HostArena
 from lightning_datastates.load.resident import ResidentCache
-from lightning_datastates.snapshot.job import JobState, SnapshotJob, SnapshotStats
+from lightning_datastates.records.job import JobState, SnapshotJob, SnapshotStats
+from lightning_datastates.records.layout import CheckpointLayout
 
 log = logging.getLogger("lightning_datastates")
 

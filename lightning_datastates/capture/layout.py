@@ -2,22 +2,23 @@
 
 ``plan_layout(checkpoint)`` runs ``torch.save`` under :func:`torch.serialization.skip_data` into a small
 in-memory sink. torch then writes every byte of the zip archive except the storage payloads, and seeks over
-the space each payload takes (a "hole"). The result is a :class:`CheckpointLayout`: the metadata bytes with
-their file offsets (``data.pkl`` is among them, so the non-tensor part of the checkpoint is snapshotted here,
-at once), and one :class:`StorageRecord` per storage with the offset where its bytes belong. Writing the
-metadata and then every storage's bytes at its offset, in any order, yields the same file ``torch.save``
+the space each payload takes (a "hole"). The result is a
+:class:`~lightning_datastates.records.layout.CheckpointLayout`: the metadata bytes with their file offsets
+(``data.pkl`` is among them, so the non-tensor part of the checkpoint is snapshotted here, at once), and one
+:class:`~lightning_datastates.records.layout.StorageRecord` per storage with the offset where its bytes belong.
+Writing the metadata and then every storage's bytes at its offset, in any order, yields the same file ``torch.save``
 would have written, loadable by plain ``torch.load``.
 
 ``skip_data`` is a prototype API and the hole/record correspondence relies on torch's zip writer, so every
 plan is self-checked against torch's own zip reader (:func:`_check_layout`); when the check fails,
-:class:`LayoutUnsupported` tells the caller to fall back to a plain ``torch.save``, whose bytes
-:func:`plan_serialized_layout` turns into a layout as well.
+:class:`~lightning_datastates.capture.segments.LayoutUnsupported` tells the caller to fall back to a plain
+``torch.save``, whose bytes :func:`plan_serialized_layout` turns into a layout as well.
 
 Saves during training repeat the same structure (the same storages in the same order, a ``data.pkl`` of the same
-length), so the plan differs only in content, never in where anything lies. :class:`VerifiedStructures` remembers
-the structures already checked; a plan whose structural bytes (every byte except the payloads of the records that are
-not storages, such as ``data.pkl``, and their CRC-32 fields) equal one of them skips the self-check and the archive
-index.
+length), so the plan differs only in content, never in where anything lies.
+:class:`~lightning_datastates.capture.verified.VerifiedStructures` remembers the structures already checked; a plan
+whose structural bytes (every byte except the payloads of the records that are not storages, such as ``data.pkl``, and
+their CRC-32 fields) equal one of them skips the self-check and the archive index.
 
 The fast path (:func:`plan_layout`, with a :class:`VerifiedStructures`): most of ``torch.save``'s time is its Python
 pickling of each tensor, so :mod:`~lightning_datastates.capture.skeleton` pickles ``data.pkl`` as torch would, in a
@@ -27,29 +28,27 @@ archive is compared byte for byte with ``torch.save``'s; a difference turns the 
 
 Checksums: under ``skip_data`` torch cannot know the payloads' CRC-32s, so the layout leaves every non-empty
 record's CRC-32 fields (central directory entry and data descriptor) out of the metadata and lists them as
-:class:`ChecksumSlot` s; the writer computes and fills them (:mod:`~lightning_datastates.write.checksums`). Metadata,
-payloads and CRC fields tile the file exactly.
+:class:`~lightning_datastates.records.layout.ChecksumSlot` s; the writer computes and fills them
+(:mod:`~lightning_datastates.records.checksums`). Metadata, payloads and CRC fields tile the file exactly. The byte
+arithmetic on the metadata segments is :mod:`~lightning_datastates.capture.segments`'s.
 
 This module is pure: no threads, no files, no devices beyond reading tensor metadata.
 """
 
 from __future__ import annotations
 
-import bisect
-import collections
 import contextlib
 import io
-import struct
 import threading
-import zlib
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from lightning_datastates.archive import ArchiveFormatError, read_archive_index
+from lightning_datastates.capture.segments import LayoutUnsupported, cut_ranges
 from lightning_datastates.capture.skeleton import PickledSkeleton, pickle_skeleton
+from lightning_datastates.capture.verified import VerifiedStructures, structure_key
 from lightning_datastates.compat.torch import (
     TorchArchiveReader,
     current_storage_alignment,
@@ -60,58 +59,8 @@ from lightning_datastates.compat.torch import (
     skip_data,
     storage_identity,
 )
+from lightning_datastates.records.layout import CRC_FIELD_BYTES, CheckpointLayout, ChecksumSlot, StorageRecord
 from lightning_datastates.streams import SegmentReader
-
-#: Bytes of a CRC-32 field.
-CRC_FIELD_BYTES = 4
-
-
-class LayoutUnsupported(Exception):
-    """The out-of-order layout cannot be trusted for this checkpoint; write it with a plain ``torch.save``."""
-
-
-@dataclass(frozen=True)
-class StorageRecord:
-    """Where one storage's bytes go in the file.
-
-    ``key`` is torch's record name suffix (``data/<key>``); ``offset`` and ``nbytes`` locate the payload.
-    """
-
-    key: int
-    offset: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class ChecksumSlot:
-    """A record whose CRC-32 the writer computes: ``nbytes`` bytes at ``data_offset``; the CRC-32 goes into the
-    4-byte fields at ``crc_fields``. ``name`` is the record's name in the archive (for error messages)."""
-
-    name: str
-    data_offset: int
-    nbytes: int
-    crc_fields: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class CheckpointLayout:
-    """The complete byte layout of a checkpoint file.
-
-    ``metadata`` holds every byte that is neither a payload nor a CRC-32 field as ``(file_offset, bytes)``
-    segments; ``records`` holds one entry per storage in key order (zero-size storages included, with
-    ``nbytes == 0``); ``checksums`` says which CRC-32 fields the writer fills, from which bytes; ``total_bytes``
-    is the file size.
-    """
-
-    metadata: tuple[tuple[int, bytes], ...]
-    records: tuple[StorageRecord, ...]
-    total_bytes: int
-    checksums: tuple[ChecksumSlot, ...] = ()
-
-    @property
-    def payload_bytes(self) -> int:
-        """Bytes of tensor data in the file."""
-        return sum(r.nbytes for r in self.records)
 
 
 @contextlib.contextmanager
@@ -263,129 +212,6 @@ def _layout_of_archive(
     return CheckpointLayout(_without_fields(segments, slots), records, sink.size, slots)
 
 
-class VerifiedStructures:
-    """Archive structures that passed :func:`plan_layout`'s self-check, most recent first (a few: the structures
-    one training run alternates between); the archives planned from them that later plans splice into; and whether
-    the fast path (:mod:`~lightning_datastates.capture.skeleton`) matched ``torch.save`` here.
-
-    A structure is the file size, the holes, where each metadata segment lies, and every metadata byte except the
-    payloads of records that are not storages (``data.pkl``, ``version``, the serialization id, ...) and their CRC-32
-    fields. torch's zip reader finds each record through the headers and the central directory, all of which are in
-    those bytes (it also reads the ``version`` records, whose content says nothing about where records lie), so a
-    plan whose structure equals a verified one places every record where that one did: its check would pass, and
-    its checksum slots are the same. Thread-safe.
-    """
-
-    def __init__(self, capacity: int = 4, fast_path: bool = True) -> None:
-        self._capacity = capacity
-        #: Whether :func:`plan_layout` may take the fast path with this cache (off: only to measure torch's plan).
-        self.fast_path = fast_path
-        self._entries: collections.OrderedDict[tuple[Any, ...], tuple[bytes, tuple[ChecksumSlot, ...]]]
-        self._entries = collections.OrderedDict()
-        # Archives to splice into, by template key: the layout, where its data.pkl starts, and its structure's key
-        # in _entries (a template lives as long as its structure, dropped with it in add(): one order of use, one
-        # capacity).
-        self._templates: dict[tuple[Any, ...], tuple[CheckpointLayout, int, tuple[Any, ...]]] = {}
-        self._lock = threading.Lock()
-        #: Plans that found their structure here (for tests and diagnostics), and how many of them were spliced.
-        self.hits = 0
-        self.spliced = 0
-        #: The fast path's first archive was compared with ``torch.save``'s and was the same.
-        self.confirmed = False
-        #: Why the fast path's archive differed from ``torch.save``'s (it is not taken again); None if it did not.
-        self.refused: str | None = None
-
-    @property
-    def fast_path_open(self) -> bool:
-        """Whether :func:`plan_layout` takes the fast path with this cache: allowed, and not refused."""
-        return self.fast_path and self.refused is None
-
-    def settle(self, difference: str | None) -> None:
-        """Record the comparison of the fast path's archive with ``torch.save``'s (None: the same)."""
-        with self._lock:
-            self.confirmed, self.refused = difference is None, difference
-
-    def splice(self, key: tuple[Any, ...], data_pkl: bytes) -> CheckpointLayout | None:
-        """The archive kept under ``key`` (see :func:`_template_key`) with ``data_pkl`` in place of its ``data.pkl``;
-        None if none is kept."""
-        with self._lock:
-            entry = self._templates.get(key)
-            if entry is None:
-                return None
-            self._entries.move_to_end(entry[2], last=False)
-            self.hits += 1
-            self.spliced += 1
-        layout, data_offset, _ = entry
-        return replace(layout, metadata=_replaced(layout.metadata, data_offset, data_pkl))
-
-    def keep_template(self, key: tuple[Any, ...], layout: CheckpointLayout, structure: tuple[Any, ...]) -> None:
-        """Keep ``layout`` (planned from a ``data.pkl`` and storages of ``key``, of the verified structure whose
-        :func:`_structure_key` is ``structure``) for later plans to splice into, while that structure is kept."""
-        data_offset = next((slot.data_offset for slot in layout.checksums if slot.name.endswith("/data.pkl")), None)
-        with self._lock:
-            if data_offset is not None and structure in self._entries:
-                self._templates[key] = (layout, data_offset, structure)
-
-    def find(
-        self, segments: tuple[tuple[int, bytes], ...], holes: list[tuple[int, int]], size: int
-    ) -> tuple[ChecksumSlot, ...] | None:
-        """The checksum slots of the verified structure equal to this plan's; None if there is none."""
-        key = _structure_key(segments, holes, size)
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None:
-                self._entries.move_to_end(key, last=False)
-        if entry is None:
-            return None
-        structure, slots = entry
-        if _structural_bytes(segments, slots, holes) != structure:
-            return None
-        with self._lock:
-            self.hits += 1
-        return slots
-
-    def add(
-        self,
-        segments: tuple[tuple[int, bytes], ...],
-        holes: list[tuple[int, int]],
-        size: int,
-        slots: tuple[ChecksumSlot, ...],
-    ) -> None:
-        """Remember a structure that passed the self-check, with its checksum slots."""
-        key, entry = _structure_key(segments, holes, size), (_structural_bytes(segments, slots, holes), slots)
-        with self._lock:
-            self._entries[key] = entry
-            self._entries.move_to_end(key, last=False)
-            while len(self._entries) > self._capacity:
-                evicted, _ = self._entries.popitem()
-                # A template lives as long as its structure.
-                for stale in [k for k, template in self._templates.items() if template[2] == evicted]:
-                    del self._templates[stale]
-
-
-def _structure_key(
-    segments: Iterable[tuple[int, bytes | bytearray]], holes: list[tuple[int, int]], size: int
-) -> tuple[Any, ...]:
-    """Where everything lies: the file size, the holes and each metadata segment's span (cheap to compare)."""
-    return size, tuple(holes), tuple((offset, len(data)) for offset, data in segments)
-
-
-def _structural_bytes(
-    segments: tuple[tuple[int, bytes], ...], slots: tuple[ChecksumSlot, ...], holes: list[tuple[int, int]]
-) -> bytes:
-    """The metadata bytes without the payloads and CRC-32 fields of the records that are not storages: the bytes
-    that may differ between saves of one structure. (The storages' CRC-32 fields, which torch leaves as
-    placeholders under ``skip_data``, stay in: comparing more bytes than needed only costs a check.)"""
-    storage_payloads = set(holes)
-    volatile = [
-        (start, nbytes)
-        for slot in slots
-        if (slot.data_offset, slot.nbytes) not in storage_payloads
-        for start, nbytes in ((slot.data_offset, slot.nbytes), *((field, CRC_FIELD_BYTES) for field in slot.crc_fields))
-    ]
-    return b"".join(data for _, data in _cut(segments, volatile))
-
-
 def plan_serialized_layout(data: bytes) -> CheckpointLayout:
     """The layout of a file already serialized (by a plain ``torch.save``): all of it is metadata, except the
     CRC-32 fields, which the writer recomputes (torch's CRC option is process-wide and may be off).
@@ -396,70 +222,6 @@ def plan_serialized_layout(data: bytes) -> CheckpointLayout:
     view = memoryview(data)
     slots = _checksum_slots(lambda offset, nbytes: view[offset : offset + nbytes], len(data))
     return CheckpointLayout(_without_fields(((0, data),), slots), (), len(data), slots)
-
-
-def with_metadata_checksums(layout: CheckpointLayout) -> CheckpointLayout:
-    """``layout`` with the CRC-32 of every record that lies wholly in its metadata (an archive's ``data.pkl``,
-    ``byteorder``, ``version``, ...) put into the metadata now, and adjacent segments joined (pure).
-
-    Why: those records' bytes are in the plan already, and their CRC-32 fields, left open for the writer, cut the
-    metadata into many small segments, each its own write request. A shard file of a sharded save holds one archive
-    per tensor, five such records each: planned this way the writer's requests for it fall by about four fifths, and
-    only the payload records' fields are left to fill. Only for layouts whose metadata stays as planned: a plan that
-    later splices a new ``data.pkl`` into a kept layout (single-file checkpoints, :class:`VerifiedStructures`) would
-    leave its CRC-32 stale.
-    """
-    segments = sorted(layout.metadata)
-    starts = [offset for offset, _ in segments]
-    filled: list[tuple[int, bytes]] = []
-    open_slots: list[ChecksumSlot] = []
-    for slot in layout.checksums:
-        data = _metadata_bytes(segments, starts, slot.data_offset, slot.nbytes)
-        if data is None:
-            open_slots.append(slot)  # payload: the writer checksums it
-            continue
-        crc = struct.pack("<I", zlib.crc32(data))
-        filled.extend((field, crc) for field in slot.crc_fields)
-    return replace(layout, metadata=joined_segments([*segments, *filled]), checksums=tuple(open_slots))
-
-
-def joined_segments(segments: Iterable[tuple[int, bytes]]) -> tuple[tuple[int, bytes], ...]:
-    """``(offset, bytes)`` segments sorted, each run of adjacent ones joined into one (pure).
-
-    Raises:
-        ValueError: two segments overlap.
-    """
-    runs: list[tuple[int, list[bytes], int]] = []  # (start, parts, end)
-    for offset, data in sorted(segments):
-        if not data:
-            continue
-        if runs and offset < runs[-1][2]:
-            raise ValueError(f"metadata segments overlap at byte {offset}")
-        if runs and offset == runs[-1][2]:
-            start, parts, end = runs[-1]
-            parts.append(data)
-            runs[-1] = (start, parts, end + len(data))
-        else:
-            runs.append((offset, [data], offset + len(data)))
-    return tuple((start, parts[0] if len(parts) == 1 else b"".join(parts)) for start, parts, _ in runs)
-
-
-def _metadata_bytes(segments: list[tuple[int, bytes]], starts: list[int], offset: int, nbytes: int) -> bytes | None:
-    """The ``nbytes`` bytes from ``offset`` if adjacent ``segments`` (sorted; ``starts`` their offsets) hold all of
-    them, else None."""
-    index = bisect.bisect_right(starts, offset) - 1
-    parts: list[bytes] = []
-    position, end = offset, offset + nbytes
-    while position < end:
-        if index < 0 or index >= len(segments):
-            return None
-        start, data = segments[index]
-        if not start <= position < start + len(data):
-            return None
-        parts.append(data[position - start : end - start])
-        position = start + len(data)
-        index += 1
-    return b"".join(parts)
 
 
 def _checksum_slots(read_at: Any, size: int) -> tuple[ChecksumSlot, ...]:
@@ -475,52 +237,7 @@ def _without_fields(
     segments: tuple[tuple[int, bytes], ...], slots: tuple[ChecksumSlot, ...]
 ) -> tuple[tuple[int, bytes], ...]:
     """``segments`` with the bytes of every CRC-32 field of ``slots`` cut out (those the writer fills)."""
-    return _cut(segments, [(field, CRC_FIELD_BYTES) for slot in slots for field in slot.crc_fields])
-
-
-def _cut(segments: Iterable[tuple[int, bytes]], ranges: list[tuple[int, int]]) -> tuple[tuple[int, bytes], ...]:
-    """``segments`` with the ``(offset, nbytes)`` ranges cut out; each range lies inside one segment.
-
-    Raises:
-        LayoutUnsupported: a range straddles a segment's end, overlaps another, or lies outside every segment.
-    """
-    ranges = sorted(r for r in ranges if r[1])
-    starts = [start for start, _ in ranges]
-    cut = 0
-    result: list[tuple[int, bytes]] = []
-    for offset, data in segments:
-        position, end = offset, offset + len(data)
-        index = bisect.bisect_left(starts, offset)
-        if index and ranges[index - 1][0] + ranges[index - 1][1] > offset:
-            index -= 1  # a range that starts before this segment and reaches into it
-        while index < len(ranges) and ranges[index][0] < end:
-            start, nbytes = ranges[index]
-            if start < position or start + nbytes > end:
-                raise LayoutUnsupported(f"bytes {start} to {start + nbytes} straddle a metadata segment")
-            if start > position:
-                result.append((position, data[position - offset : start - offset]))
-            position = start + nbytes
-            index += 1
-            cut += 1
-        if position < end:
-            result.append((position, data[position - offset :]))
-    if cut != len(ranges):
-        raise LayoutUnsupported(f"{len(ranges) - cut} of the byte ranges to cut lie outside the metadata segments")
-    return tuple(result)
-
-
-def _replaced(segments: tuple[tuple[int, bytes], ...], offset: int, data: bytes) -> tuple[tuple[int, bytes], ...]:
-    """``segments`` with the bytes from ``offset`` replaced by ``data`` (same length, inside one segment).
-
-    Raises:
-        LayoutUnsupported: the range is not inside one segment.
-    """
-    index = bisect.bisect_right([start for start, _ in segments], offset) - 1
-    start, old = segments[index] if index >= 0 else (0, b"")
-    at = offset - start
-    if index < 0 or at + len(data) > len(old):
-        raise LayoutUnsupported(f"bytes {offset} to {offset + len(data)} are not inside one metadata segment")
-    return (*segments[:index], (start, old[:at] + data + old[at + len(data) :]), *segments[index + 1 :])
+    return cut_ranges(segments, [(field, CRC_FIELD_BYTES) for slot in slots for field in slot.crc_fields])
 
 
 def _match_records(holes: list[tuple[int, int]], storages: list[torch.UntypedStorage]) -> tuple[StorageRecord, ...]:
@@ -593,8 +310,9 @@ class _LayoutSink:
         return self.position
 
     def structure(self) -> tuple[Any, ...]:
-        """The :func:`_structure_key` of the archive written so far (without copying its bytes)."""
-        return _structure_key(self._segments, self.holes, self.size)
+        """The :func:`~lightning_datastates.capture.verified.structure_key` of the archive written so far (without
+        copying its bytes)."""
+        return structure_key(self._segments, self.holes, self.size)
 
     def flush(self) -> None:
         pass

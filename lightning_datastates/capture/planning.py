@@ -17,19 +17,14 @@ from typing import Any
 
 import torch
 
-from lightning_datastates.capture.chunks import Chunk, plan_chunks
-from lightning_datastates.capture.layout import (
-    CheckpointLayout,
-    StorageRecord,
-    VerifiedStructures,
-    plan_layout,
-    plan_serialized_layout,
-    storage_alignment,
-)
+from lightning_datastates.capture.layout import plan_layout, plan_serialized_layout, storage_alignment
+from lightning_datastates.capture.verified import VerifiedStructures
 from lightning_datastates.copy.sharing import SharedCopies
 from lightning_datastates.errors import CheckpointCaptureError
-from lightning_datastates.snapshot.job import SnapshotJob
-from lightning_datastates.write.through import WRITE_THROUGH_CHUNK_BYTES, WriteThrough
+from lightning_datastates.records.chunks import Chunk, plan_chunks
+from lightning_datastates.records.job import SnapshotJob
+from lightning_datastates.records.layout import CheckpointLayout, StorageRecord
+from lightning_datastates.records.through import WRITE_THROUGH_CHUNK_BYTES, WriteThrough
 
 log = logging.getLogger("lightning_datastates")
 
@@ -147,11 +142,11 @@ def plan_lazy_copy(
     """Plan ``job``'s lazy chunks from ``records``: storages an earlier checkpoint of this barrier interval copies are
     followed instead (one host copy serves both files); the rest are planned, and offered to later checkpoints.
 
-    With ``write_through``, chunks of host tensors may be written straight from them (write/through.py), gated by a
-    :class:`~lightning_datastates.write.through.WriteThrough` over ``copier_wake``; the copier races the writers
+    With ``write_through``, chunks of host tensors may be written straight from them (records/through.py), gated by a
+    :class:`~lightning_datastates.records.through.WriteThrough` over ``copier_wake``; the copier races the writers
     unless the caller ``awaits_commit``.
     """
-    if write_through:  # small chunks: a barrier waits for those being written (write/through.py)
+    if write_through:  # small chunks: a barrier waits for those being written (records/through.py)
         chunk_bytes = min(chunk_bytes, WRITE_THROUGH_CHUNK_BYTES)
     followed = sharing.follow(job, records, storages)
     job.lazy_chunks = plan_chunks((r for r in records if r.key not in followed), chunk_bytes, phase_bytes)

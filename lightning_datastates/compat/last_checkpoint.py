@@ -1,25 +1,31 @@
-"""``fit(ckpt_path="last")`` for checkpoints at a URL (S3, other fsspec protocols): Lightning alone does not find them.
+"""``fit(ckpt_path="last")`` that resumes from a whole checkpoint, locally and at a URL (S3, other fsspec protocols).
 
 Checked against lightning 2.5.6 and 2.6.6 (the same code in both): the checkpoint connector resolves ``"last"`` in its
 private ``_CheckpointConnector._parse_ckpt_path``, from each ``ModelCheckpoint``'s private ``_find_last_checkpoints``
 and each ``OnExceptionCheckpoint``'s ``ckpt_path``, and takes the candidate with the newest
-``get_filesystem(path).modified(path)``. With a remote ``dirpath`` two steps fail:
+``get_filesystem(path).modified(path)``, before any hook of ours runs. Three things go wrong:
 
 - ``_find_last_checkpoints`` lists the directory with fsspec, which names remote files without their protocol
   (``bucket/run/last.ckpt``), and ``os.path.normpath`` keeps it so: the connector looks for that path on the local
   disk, finds nothing, warns that there is no last checkpoint and trains from scratch
   (Lightning-AI/pytorch-lightning#18261);
-- a sharded checkpoint is a directory, and on S3 a directory has no modification time (``IsADirectoryError``).
+- a sharded checkpoint is a directory, and on S3 a directory has no modification time (``IsADirectoryError``);
+- a sharded ``last.ckpt/`` whose first save was killed in flight holds no ``meta.pt``: Lightning picks it all the
+  same (locally it exists and has a modification time), the cleanup at setup removes it as a leftover, and the load
+  fails with ``ValueError: ... does not point to a valid checkpoint``.
 
-:func:`resolve_last_at_urls` wraps ``_parse_ckpt_path`` so that, for a Trainer the given predicate accepts (one whose
-checkpoints go through the plugin) and where some ``ModelCheckpoint`` writes to a non-local file system, ``"last"`` is
-resolved by :func:`newest_last_checkpoint`: the same candidates, remote ones with their protocol, a directory dated by
-its ``meta.pt`` (what makes it a checkpoint; one without it is none). Everything else goes to Lightning's own method
-unchanged, and so does ``"last"`` when this finds no candidate (Lightning then warns as it does).
+:func:`resolve_last_checkpoint` wraps ``_parse_ckpt_path`` so that, for a Trainer the given predicate accepts (one
+whose checkpoints go through the plugin), ``"last"`` is resolved by :func:`newest_last_checkpoint`: the same
+candidates, remote ones with their protocol, a file as it is (a file is committed whole or not at all), a directory
+only if it holds a checkpoint once the cleanup at setup has run (:func:`~lightning_datastates.records.names.
+holds_checkpoint`), dated by its ``meta.pt`` or commit record. Where candidates exist but none is whole, the newest
+whole checkpoint of the ``ModelCheckpoint`` directories is taken instead, with a warning; where there is none either,
+training starts from scratch with Lightning's warning, as Lightning does when it finds no last checkpoint. Every rank
+resolves the same way, before rank 0's cleanup at setup changes anything (the strategy's process group forms in
+between). Everything else goes to Lightning's own method unchanged, and so does ``"last"`` with no candidate at all.
 
-Call order: :func:`resolve_last_at_urls` when a plugin is made (before any ``fit``: Lightning resolves the path before
-any callback hook runs), any thread, idempotent; the wrapper runs where Lightning calls the method, on the training
-thread of every rank.
+Call order: :func:`resolve_last_checkpoint` when a plugin is made (before any ``fit``), any thread, idempotent; the
+wrapper runs where Lightning calls the method, on the training thread of every rank.
 """
 
 from __future__ import annotations
@@ -32,27 +38,34 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.callbacks.on_exception_checkpoint import OnExceptionCheckpoint
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_datastates.sharded.publish import COMMIT_RECORD_NAME, LIGHTNING_META_NAME
+from lightning_datastates.records.names import COMMIT_RECORD_NAME, LIGHTNING_META_NAME, holds_checkpoint
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
 
 #: Marks the wrapper, so that it is installed once.
-_WRAPPED = "_lightning_datastates_resolves_last_at_urls"
+_WRAPPED = "_lightning_datastates_resolves_last"
 
 
-def resolve_last_at_urls(applies: Callable[[Trainer], bool]) -> None:
-    """Wrap ``_CheckpointConnector._parse_ckpt_path`` (once per process) so that ``ckpt_path="last"`` finds the last
-    checkpoint at a URL for the Trainers ``applies`` accepts (see the module docstring)."""
+def resolve_last_checkpoint(applies: Callable[[Trainer], bool]) -> None:
+    """Wrap ``_CheckpointConnector._parse_ckpt_path`` (once per process) so that ``ckpt_path="last"`` resumes from a
+    whole checkpoint for the Trainers ``applies`` accepts (see the module docstring)."""
     original = _CheckpointConnector._parse_ckpt_path
     if getattr(original, _WRAPPED, False):
         return
 
     def parse_ckpt_path(self: Any, state_fn: Any, ckpt_path: Any, model_provided: bool, model_connected: bool) -> Any:
-        if ckpt_path == "last" and applies(self.trainer) and _writes_remotely(self.trainer):
+        if ckpt_path == "last" and applies(self.trainer):
             found = newest_last_checkpoint(self.trainer)
-            if found is not None:
+            if found is not _NO_CANDIDATE:
+                if found is None:
+                    fn = state_fn.value
+                    rank_zero_warn(
+                        f'.{fn}(ckpt_path="last") is set, but no last checkpoint is whole (a run died saving it) and '
+                        "no other checkpoint was found. No checkpoint will be loaded."
+                    )
                 return found
         return original(self, state_fn, ckpt_path, model_provided=model_provided, model_connected=model_connected)
 
@@ -60,10 +73,20 @@ def resolve_last_at_urls(applies: Callable[[Trainer], bool]) -> None:
     _CheckpointConnector._parse_ckpt_path = parse_ckpt_path  # type: ignore[method-assign]
 
 
-def newest_last_checkpoint(trainer: Trainer) -> str | None:
-    """The newest of the Trainer's last checkpoints (``last.ckpt`` and its versions in each ``ModelCheckpoint``'s
-    directory, and each ``OnExceptionCheckpoint``'s file) that exists, with its protocol; None if there is none."""
+class _NoCandidate:
+    """:func:`newest_last_checkpoint` found no last checkpoint at all, whole or not: Lightning's own method decides."""
+
+
+_NO_CANDIDATE: Any = _NoCandidate()
+
+
+def newest_last_checkpoint(trainer: Trainer) -> Any:
+    """The newest whole one of the Trainer's last checkpoints (``last.ckpt`` and its versions in each
+    ``ModelCheckpoint``'s directory, and each ``OnExceptionCheckpoint``'s file), with its protocol; where some exist
+    but none is whole, the newest whole checkpoint in those directories (None if there is none either);
+    :data:`_NO_CANDIDATE` if there is no last checkpoint at all."""
     candidates: dict[str, Any] = {}
+    directories: dict[str, Any] = {}
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         path = getattr(callback, "ckpt_path", None) if isinstance(callback, OnExceptionCheckpoint) else None
         if path:  # as Lightning reads it
@@ -75,15 +98,49 @@ def newest_last_checkpoint(trainer: Trainer) -> str | None:
                 # Our writers change storage behind this file system's listing cache (filled by ModelCheckpoint's own
                 # listings, at setup): a last checkpoint written since would not be listed.
                 fs.invalidate_cache(str(callback.dirpath))
+                directories[str(callback.dirpath)] = fs
             for path in callback._find_last_checkpoints(trainer):
-                candidates[path if _is_local(fs) else fs.unstrip_protocol(path)] = fs
+                candidates[_with_protocol(fs, path)] = fs
+    found = {path: fs for path, fs in candidates.items() if _exists(fs, path)}
+    if not found:
+        return _NO_CANDIDATE
+    newest = _newest(found)
+    if newest is not None:
+        return newest
+    others = {
+        _with_protocol(fs, entry): fs
+        for directory, fs in directories.items()
+        for entry in _checkpoints_in(fs, directory)
+    }
+    newest = _newest(others)
+    if newest is not None:
+        rank_zero_warn(
+            f'ckpt_path="last": no last checkpoint is whole ({", ".join(sorted(found))}: a run died saving it); '
+            f"resuming from the newest whole checkpoint instead, {newest}"
+        )
+    return newest
+
+
+def _newest(candidates: dict[str, Any]) -> str | None:
     dated = {path: stamp for path, fs in candidates.items() if (stamp := _modified_s(fs, path)) is not None}
     return max(dated, key=lambda path: dated[path]) if dated else None
 
 
-def _writes_remotely(trainer: Trainer) -> bool:
-    callbacks = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
-    return any(not _is_local(callback._fs) for callback in callbacks)
+def _with_protocol(fs: Any, path: str) -> str:
+    return path if _is_local(fs) else fs.unstrip_protocol(path)
+
+
+def _exists(fs: Any, path: str) -> bool:
+    fs.invalidate_cache(path)  # our writers change storage behind this file system's listing cache
+    return bool(fs.exists(path))
+
+
+def _checkpoints_in(fs: Any, directory: str) -> list[str]:
+    """The ``*.ckpt`` entries of ``directory`` (files, or sharded checkpoints' directories), as ``fs`` names them."""
+    try:
+        return [path for path in fs.ls(directory, detail=False) if path.rstrip("/").endswith(".ckpt")]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def _is_local(fs: Any) -> bool:
@@ -93,14 +150,13 @@ def _is_local(fs: Any) -> bool:
 def _modified_s(fs: Any, path: str) -> float | None:
     """When the checkpoint at ``path`` was last written (a sharded directory: its ``meta.pt``, or the commit record
     of a switch to a new checkpoint that a dead run left half-way, which the cleanup at setup finishes before any
-    load), in seconds since the epoch; None if there is no checkpoint there."""
-    fs.invalidate_cache(path)  # our writers change storage behind this file system's listing cache
-    if not fs.exists(path):
+    load), in seconds since the epoch; None if there is no whole checkpoint there."""
+    if not _exists(fs, path):
         return None
     if fs.isdir(path):
-        dated_by = (f"{path.rstrip('/')}/{name}" for name in (LIGHTNING_META_NAME, COMMIT_RECORD_NAME))
-        found = next((file for file in dated_by if fs.exists(file)), None)  # the record asked for only without meta.pt
-        if found is None:
+        names = {entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(path, detail=False)}
+        if not holds_checkpoint(names):
             return None
-        path = found
+        dated_by = LIGHTNING_META_NAME if LIGHTNING_META_NAME in names else COMMIT_RECORD_NAME
+        path = f"{path.rstrip('/')}/{dated_by}"
     return float(fs.modified(path).timestamp())

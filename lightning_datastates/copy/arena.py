@@ -29,27 +29,13 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from lightning_datastates.alignment import PAGE_ALIGNMENT_BYTES, align_up
 from lightning_datastates.copy.pinning import ArenaPinning, Pinner, fork_excluded_mapping
 from lightning_datastates.copy.prefault import ArenaPrefault
-
-
-@dataclass(frozen=True)
-class Block:
-    """A byte range ``[offset, offset + nbytes)`` of the arena; ``nbytes`` is what the caller asked for."""
-
-    offset: int
-    nbytes: int
-
-    @property
-    def reserved_bytes(self) -> int:
-        """Bytes the block occupies in the arena (``nbytes`` rounded up to whole pages: direct I/O writes straight
-        from the arena)."""
-        return align_up(max(self.nbytes, 1))
+from lightning_datastates.records.block import Block
 
 
 class ArenaClosed(Exception):

@@ -32,18 +32,16 @@ from typing import Any, Protocol
 
 import torch
 
-from lightning_datastates.capture.chunks import Piece
 from lightning_datastates.copy.arena import address_view
 from lightning_datastates.copy.pinning import cut_at_pin_boundaries
-from lightning_datastates.write.checksums import crc32
+from lightning_datastates.records.block import PieceCrcs
+from lightning_datastates.records.checksums import crc32
+from lightning_datastates.records.chunks import Piece
 
 #: Bytes copied, then checksummed, in one go: small enough to stay in the CPU cache in between.
 COPY_WINDOW_BYTES = 512 * 1024
 #: Pieces up to this size are copied without releasing the GIL and without a CRC-32 (a few microseconds).
 GIL_HELD_COPY_BYTES = 64 * 1024
-
-#: Block offset of a piece in its arena block -> (its size, the CRC-32 the copier computed while copying it).
-PieceCrcs = dict[int, tuple[int, int]]
 
 
 class CopyInFlight(Protocol):

@@ -1,10 +1,10 @@
 """The copier thread's loop: captured checkpoints into the host arena, chunk by chunk, one checkpoint after another.
 
 Per checkpoint, the copier thread 1) queues its metadata write and copies its eager chunks (the save call waits for
-them); 2) queues its write-through chunks (:mod:`~lightning_datastates.write.through`) and copies its lazy chunks,
+them); 2) queues its write-through chunks (:mod:`~lightning_datastates.records.through`) and copies its lazy chunks,
 the last write-through chunk first, copying the eager part of newer captures in between (their save calls wait);
 3) finishes the copy: the sources are read no more, barriers (``wait_copies``) pass. Each copied chunk goes to the
-writers as a :class:`~lightning_datastates.write.tasks.WriteChunk`. A checkpoint without lazy chunks is finished at
+writers as a :class:`~lightning_datastates.records.tasks.WriteChunk`. A checkpoint without lazy chunks is finished at
 once; one with lazy chunks waits until the lazy part of the one before it is copied.
 
 Chunks in flight: a device copier returns once a chunk's copies are queued on its stream (copy/copier.py), so the
@@ -31,14 +31,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_datastates.capture.chunks import Chunk
-from lightning_datastates.copy.arena import Block, HostArena
+from lightning_datastates.copy.arena import HostArena
 from lightning_datastates.copy.copier import ChunkCopy, CopierSet
 from lightning_datastates.copy.sharing import SharedCopies
-from lightning_datastates.snapshot.job import SnapshotJob
-from lightning_datastates.snapshot.threads import POLL_S
-from lightning_datastates.write.tasks import WriteChunk, WriteMetadata, WriteQueue, WriteThroughChunk
-from lightning_datastates.write.through import WriteThrough
+from lightning_datastates.records.block import Block
+from lightning_datastates.records.chunks import Chunk
+from lightning_datastates.records.job import SnapshotJob
+from lightning_datastates.records.tasks import POLL_S, WriteChunk, WriteMetadata, WriteQueue, WriteThroughChunk
+from lightning_datastates.records.through import WriteThrough
 
 #: At most this many chunks are in flight at once (the one just started included): with 64 MiB chunks, about 5 ms of
 #: copying on a 50 GB/s link, one GIL switch interval; few enough that the eager copies of a new save, queued on the

@@ -19,16 +19,14 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from lightning_datastates.capture.chunks import Chunk
-from lightning_datastates.capture.layout import StorageRecord
 from lightning_datastates.compat.torch import storage_identity
-
-if TYPE_CHECKING:
-    from lightning_datastates.snapshot.job import SnapshotJob
+from lightning_datastates.records.chunks import Chunk
+from lightning_datastates.records.job import SnapshotJob
+from lightning_datastates.records.layout import StorageRecord
 
 
 @dataclass(frozen=True)

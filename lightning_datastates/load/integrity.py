@@ -3,7 +3,7 @@
 Every record (the pickled skeleton ``data.pkl``, each storage ``data/N``, ``byteorder``, ``version``, ...) is read
 where torch will read it and checksummed; a mismatch, or damage to the archive's structure, raises
 :class:`~lightning_datastates.errors.CheckpointCorruptError` naming the file and the record. Records are cut into
-pieces checksummed in parallel threads (:func:`~lightning_datastates.write.checksums.crc32` releases the GIL) and the
+pieces checksummed in parallel threads (:func:`~lightning_datastates.records.checksums.crc32` releases the GIL) and the
 pieces' CRC-32s combined.
 
 A non-empty record whose recorded CRC-32 is 0 carries no checksum (``torch.save`` with its CRC option off, or
@@ -23,7 +23,7 @@ import torch
 
 from lightning_datastates.archive import ArchiveFormatError, ArchiveRecord, read_archive_index
 from lightning_datastates.errors import CheckpointCorruptError
-from lightning_datastates.write.checksums import combine_pieces, crc32
+from lightning_datastates.records.checksums import combine_pieces, crc32
 
 #: Bytes checksummed per task: large enough that scheduling costs nothing, small enough to spread over threads.
 PIECE_BYTES = 32 * 1024**2

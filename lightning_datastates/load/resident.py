@@ -28,16 +28,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from lightning_datastates.copy.arena import Block, HostArena
-from lightning_datastates.snapshot.job import JobState
+from lightning_datastates.copy.arena import HostArena
+from lightning_datastates.records.block import Block
+from lightning_datastates.records.checksums import ChecksummingSession
+from lightning_datastates.records.job import JobState, SnapshotJob
 from lightning_datastates.storage.base import StorageWriter
 from lightning_datastates.streams import SegmentReader
-from lightning_datastates.write.checksums import ChecksummingSession
-
-if TYPE_CHECKING:
-    from lightning_datastates.snapshot.job import SnapshotJob
 
 #: ``(block_offset, file_offset, nbytes)``: bytes of a block that a job wrote at ``file_offset`` of its file.
 BlockRange = tuple[int, int, int]

@@ -17,15 +17,21 @@ One :class:`ShardedCommitter` per rank runs a thread that takes this rank's save
 Every collective runs on a gloo group of its own, made at setup: a collective on the training process group from a
 background thread can deadlock NCCL, and gloo carries a few bytes between threads of the same ranks safely.
 
-A rank whose own shard failed reports that failure (the engine keeps it); every other rank gets one
-:class:`~lightning_datastates.errors.CheckpointFlushError` naming the rank that failed. Removals that ModelCheckpoint
-asks for while saves are pending (rank 0 only) are queued behind them, and dropped if one of them fails or if the
-same path is saved again before they ran (the new checkpoint replaces the old; should the new save fail, the old one
-stays, as with single files).
+Each save is registered, until its commit ends, in the registry of pending work the engine's files register in too
+(:class:`~lightning_datastates.snapshot.pending.PendingCheckpoints`, as a :class:`~lightning_datastates.snapshot.
+pending.PendingCommit`): waits, failures and removals held back behind pending saves (ModelCheckpoint's top-k, rank 0
+only) work the same for single files and sharded directories. A save that is not committed, for whatever reason,
+is that save's failure: the removals waiting for it are dropped (the file to remove may be the last good checkpoint),
+and every rank reports it once, as one :class:`~lightning_datastates.errors.CheckpointFlushError` naming the rank that
+failed and why (a rank whose own shard file or staging failed reports that failure instead, once). Rank 0 always
+shares its verdict, whatever failed on it, so that no rank waits for a verdict that never comes.
 
 Why a gloo group and not markers on storage: the exchange costs two small collectives per checkpoint and no storage
 request, a failure reaches every rank at once, and there is nothing to poll or to clean up. A rank that dies leaves
-the others waiting in the exchange until the group's timeout; a launcher (torchrun, SLURM) ends the job first.
+the others waiting in the exchange until the group's timeout (:data:`DEFAULT_EXCHANGE_TIMEOUT`; a launcher such as
+torchrun or SLURM usually ends the job first). A collective that fails or times out fails its save with the rank and
+the collective named; the group cannot be trusted after that, so every later save of the run fails at once with the
+same cause (the next run's cleanup removes what they left), instead of each waiting out the timeout again.
 """
 
 from __future__ import annotations
@@ -34,30 +40,28 @@ import logging
 import os
 import queue
 import threading
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 from lightning_datastates.errors import CheckpointFlushError
 from lightning_datastates.gcpause import collection_paused
+from lightning_datastates.records.job import JobState, SnapshotStats
+from lightning_datastates.records.names import COMMIT_RECORD_NAME, DCP_METADATA_NAME, LIGHTNING_META_NAME
 from lightning_datastates.sharded.dcp_writer import (
-    DCP_METADATA_NAME,
     CheckpointPlan,
     StagedShard,
     join_path,
     plan_checkpoint,
 )
 from lightning_datastates.sharded.publish import (
-    COMMIT_RECORD_NAME,
-    LIGHTNING_META_NAME,
     complete_or_keep,
     files_named,
     switch_to_record,
     write_commit_record,
 )
-from lightning_datastates.snapshot.job import JobState, SnapshotStats
+from lightning_datastates.snapshot.pending import PendingCheckpoints, PendingCommit
 from lightning_datastates.storage.base import StorageWriter
 from lightning_datastates.storage.local import is_local_path, local_path
 
@@ -84,145 +88,73 @@ class ShardedSave:
     marker: str | None = None  # rank 0: the in-flight marker (sharded/leftovers.py), removed once settled
 
 
-@dataclass
-class _Removal:
-    path: str
-    remove: Callable[[], None]
-    failures_before: int
-    started: bool = False  # the committer thread took it (under the committer's lock)
-    cancelled: bool = False  # the path is saved again: the removal must not delete the new save's files
-
-
-@dataclass
-class _Entry:
-    item: ShardedSave | _Removal
-    done: threading.Event = field(default_factory=threading.Event)
-
-
 class ShardedCommitter:
     """Commits this rank's sharded saves in order on a thread of its own (see the module docstring).
 
-    Thread model: :meth:`submit`, :meth:`remove_after_pending`, :meth:`cancel_removals`, :meth:`wait_path`,
-    :meth:`drain` and :meth:`pop_failure` are called from the training thread; the exchange and the commit run on
-    the committer thread.
+    Thread model: :meth:`submit` on the training thread; the exchange and the commit on the committer thread, which
+    ends each save with :meth:`PendingCheckpoints.finish <lightning_datastates.snapshot.pending.PendingCheckpoints.
+    finish>` (waits and removals held back for it go through that registry).
     """
 
     def __init__(
         self,
         group: Any,
         rank: int,
+        pending: PendingCheckpoints,
         wait_shard: Callable[[str], None],
         writer_for: Callable[[str], StorageWriter],
     ) -> None:
         self._group = group
         self._rank = rank
+        self._pending = pending
         self._wait_shard = wait_shard
         self._writer_for = writer_for
-        self._queue: queue.Queue[_Entry] = queue.Queue()
+        self._queue: queue.Queue[tuple[ShardedSave, PendingCommit]] = queue.Queue()
         self._lock = threading.Lock()
-        self._pending: list[_Entry] = []
-        self._failures: deque[CheckpointFlushError] = deque()
-        self._failure_count = 0
         self._thread: threading.Thread | None = None
+        # Why the exchange cannot be trusted any more (a collective failed or timed out): every later save fails at
+        # once with it. The committer thread's own.
+        self._broken: str | None = None
         # Rank 0: directories whose switch to a new checkpoint stopped half-way (a storage error after the commit
         # record was durable); the committer thread's own, finished at the next save of the directory.
         self._half_way: set[str] = set()
 
     # ------------------------------------------------------------------ training thread
     def submit(self, save: ShardedSave) -> None:
-        """Queue ``save``'s commit behind the earlier ones."""
-        self._enqueue(_Entry(save))
-
-    def remove_after_pending(self, path: str, remove: Callable[[], None]) -> bool:
-        """Rank 0: queue ``remove`` behind every pending save; False (nothing queued) when none is pending."""
+        """Register ``save`` as pending and queue its commit behind the earlier ones."""
+        commit = PendingCommit(save.path)
+        self._pending.register_commit(commit)
         with self._lock:
-            if not self._pending:
-                return False
-            failures = self._failure_count
-        self._enqueue(_Entry(_Removal(path, remove, failures)))
-        return True
-
-    def is_pending(self, path: str) -> bool:
-        """Whether a save of ``path`` is not yet committed (or failed)."""
-        with self._lock:
-            return any(isinstance(e.item, ShardedSave) and e.item.path == path for e in self._pending)
-
-    def is_removal_deferred(self, path: str) -> bool:
-        """Whether a removal of ``path`` waits behind pending saves."""
-        with self._lock:
-            return any(self._removal_of(e, path) is not None for e in self._pending)
-
-    def cancel_removals(self, path: str) -> None:
-        """Rank 0, before a new save of ``path`` writes anything there: drop the removals of ``path`` still queued
-        (the new checkpoint replaces what they would delete, as a synchronous save after the removal would), and wait
-        for one the committer thread already runs, so that it cannot delete the new save's files."""
-        with self._lock:
-            running = []
-            for entry in self._pending:
-                removal = self._removal_of(entry, path)
-                if removal is not None:
-                    removal.cancelled = not removal.started
-                    if removal.started:
-                        running.append(entry)
-        for entry in running:
-            entry.done.wait()
-
-    @staticmethod
-    def _removal_of(entry: _Entry, path: str) -> _Removal | None:
-        """``entry``'s removal of ``path`` that is still to come, if it is one (call with the lock held)."""
-        item = entry.item
-        if isinstance(item, _Removal) and item.path == path and not item.cancelled:
-            return item
-        return None
-
-    def wait_path(self, path: str) -> None:
-        """Wait until every queued save of ``path`` is committed or failed."""
-        with self._lock:
-            entries = [e for e in self._pending if isinstance(e.item, ShardedSave) and e.item.path == path]
-        for entry in entries:
-            entry.done.wait()
-
-    def drain(self) -> None:
-        """Wait until everything queued so far is done."""
-        with self._lock:
-            entries = list(self._pending)
-        for entry in entries:
-            entry.done.wait()
-
-    def pop_failure(self) -> CheckpointFlushError | None:
-        """The oldest checkpoint that another rank's failure left uncommitted, not yet reported (now it is)."""
-        with self._lock:
-            return self._failures.popleft() if self._failures else None
-
-    def _enqueue(self, entry: _Entry) -> None:
-        with self._lock:
-            self._pending.append(entry)
             if self._thread is None or not self._thread.is_alive():
                 # A daemon: the exchange may wait for a rank that died; the callback drains before fit returns.
                 self._thread = threading.Thread(target=self._run, name="datastates-sharded-commit", daemon=True)
                 self._thread.start()
-        self._queue.put(entry)
+        self._queue.put((save, commit))
 
     # ------------------------------------------------------------------ committer thread
     def _run(self) -> None:
         while True:
-            entry = self._queue.get()
+            save, commit = self._queue.get()
             try:
-                if isinstance(entry.item, _Removal):
-                    self._remove(entry.item)
+                self._commit(save, commit)
+            except BaseException as exc:  # noqa: BLE001 - that save's failure, reported once on this rank
+                log.error("lightning_datastates: committing %s failed on rank %d: %r", save.path, self._rank, exc)
+                commit.state = JobState.FAILED
+                if isinstance(exc, CheckpointFlushError):
+                    commit.error = exc  # already says which rank and what
                 else:
-                    self._commit(entry.item)
-            except BaseException:
-                doing = "removing" if isinstance(entry.item, _Removal) else "committing"
-                log.exception("lightning_datastates: %s %s failed", doing, entry.item.path)
+                    commit.error = _not_committed(save.path, f"rank {self._rank} failed while committing it: {exc!r}")
+                    commit.error.__cause__ = exc
             finally:
-                with self._lock:
-                    self._pending.remove(entry)
-                entry.done.set()
+                self._pending.finish(commit)
 
-    def _commit(self, save: ShardedSave) -> None:
+    def _commit(self, save: ShardedSave, commit: PendingCommit) -> None:
+        """Plan, exchange, publish (rank 0) and share the verdict of ``save``; set ``commit``'s state and error."""
         import torch.distributed as dist
 
+        if self._broken is not None:
+            commit.state, commit.error = JobState.FAILED, _not_committed(save.path, self._broken)
+            return  # the marker stays: the next run's cleanup removes what this save left
         # Every rank plans every save, in the same order, even one that failed here: the others wait for it.
         planned: CheckpointPlan | None = None
         own_error: str | None = None
@@ -234,6 +166,7 @@ class ShardedCommitter:
             own_error = f"DCP could not plan it: {exc!r}"
         # Already raised on this rank's training thread (its staging) or reported by the engine (its file).
         reported_here = save.staged.error is not None
+        cause: BaseException | None = None  # this rank's own failure, chained to the one reported
         written = None
         if save.shard is not None:
             written = save.staged.file_name
@@ -242,29 +175,67 @@ class ShardedCommitter:
                 own_error, reported_here = f"{_SKIPPED}its host arena was full (on_arena_full='skip')", True
             elif save.shard.state != JobState.COMMITTED.value:
                 own_error, reported_here = f"its shard file {save.shard.path} was {save.shard.state}", True
+                # Reported as this save's failure (keyed by its directory, which a save outside the training loop
+                # waits for), unless a hook of the training thread reported the file's failure already.
+                shard_failure = self._pending.pop_failure(save.shard.path)
+                if shard_failure is not None:
+                    own_error, reported_here = f"{own_error}: {shard_failure.error!r}", False
+                    cause = shard_failure.error
         outcomes: list[tuple[str | None, str | None]] = [(None, None)] * dist.get_world_size(self._group)
-        dist.all_gather_object(outcomes, (own_error, written), group=self._group)
+        self._collective(
+            "exchanging the ranks' outcomes",
+            save.path,
+            dist.all_gather_object,
+            outcomes,
+            (own_error, written),
+            group=self._group,
+        )
         failed = [(rank, error) for rank, (error, _) in enumerate(outcomes) if error is not None]
         files = tuple(sorted(name for _, name in outcomes if name is not None))
         verdict: list[str | None] = [None]
         settled = True
         if self._rank == 0:
-            if failed:
-                verdict[0] = self._discard(save, files, failed)
-            else:
-                verdict[0], settled = self._publish(save, planned, files)
-        if save.marker is not None and settled:
-            self._remove_files(self._writer_for(save.path), save.path, [_name(save.marker)])
-        dist.broadcast_object_list(verdict, src=0, group=self._group)
-        if verdict[0] is not None:
-            # A checkpoint skipped by choice (on_arena_full="skip") is no failure: it is logged, as a skipped file is.
-            skipped = bool(failed) and all(error.startswith(_SKIPPED) for _, error in failed)
-            report: str | None = f"checkpoint {save.path} was not committed: {verdict[0]}"
-            if reported_here or skipped:
-                report = None
-            if skipped and self._rank == 0:
-                log.warning("lightning_datastates: skipped sharded checkpoint %s: %s", save.path, verdict[0])
-            self._fail(None if report is None else CheckpointFlushError(report, save.path))
+            try:
+                if failed:
+                    verdict[0] = self._discard(save, files, failed)
+                else:
+                    verdict[0], settled = self._publish(save, planned, files)
+                if save.marker is not None and settled:
+                    self._remove_files(self._writer_for(save.path), save.path, [_name(save.marker)])
+            except BaseException as exc:  # noqa: BLE001 - shared as the verdict: no rank may wait for one that never comes
+                log.error("lightning_datastates: committing %s failed: %r", save.path, exc)
+                verdict[0] = f"rank 0 failed while committing it: {exc!r}"
+        self._collective(
+            "sharing rank 0's verdict", save.path, dist.broadcast_object_list, verdict, src=0, group=self._group
+        )
+        if verdict[0] is None:
+            commit.state = JobState.COMMITTED
+            return
+        # A checkpoint skipped by choice (on_arena_full="skip") is no failure: it is logged, as a skipped file is.
+        skipped = bool(failed) and all(error.startswith(_SKIPPED) for _, error in failed)
+        commit.state = JobState.SKIPPED if skipped else JobState.FAILED
+        if skipped and self._rank == 0:
+            log.warning("lightning_datastates: skipped sharded checkpoint %s: %s", save.path, verdict[0])
+        if not (reported_here or skipped):
+            commit.error = _not_committed(save.path, verdict[0])
+            commit.error.__cause__ = cause
+
+    def _collective(self, doing: str, path: str, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Run ``collective`` on the committer's group; if it fails (or times out), the exchange is broken for the rest
+        of the run and this save fails, the rank and the collective named.
+
+        Raises:
+            CheckpointFlushError: the collective failed.
+        """
+        try:
+            collective(*args, **kwargs)
+        except BaseException as exc:
+            timeout_s = DEFAULT_EXCHANGE_TIMEOUT.total_seconds()
+            self._broken = (
+                f"rank {self._rank} failed {doing} for {path} (each collective waits at most {timeout_s:.0f} s for the "
+                f"other ranks): {exc!r}"
+            )
+            raise _not_committed(path, self._broken) from exc
 
     def _publish(
         self, save: ShardedSave, planned: CheckpointPlan | None, files: tuple[str, ...]
@@ -298,7 +269,7 @@ class ShardedCommitter:
                 return f"rank 0 could not write its metadata: {exc!r}{kept}", False
             # The directory holds what it held, whole: this save's files and record go.
             self._remove_files(writer, save.path, [*files, COMMIT_RECORD_NAME])
-            _remove_if_no_checkpoint_left(writer, save.path)
+            _remove_if_no_checkpoint_left(save.path)
             return f"rank 0 could not write its metadata: {exc!r}", True
         try:
             switch_to_record(writer, save.path, planned.metadata_bytes, save.meta_bytes)
@@ -311,12 +282,10 @@ class ShardedCommitter:
         return None, True
 
     def _discard(self, save: ShardedSave, files: tuple[str, ...], failed: list[tuple[int, str]]) -> str:
-        """Rank 0, a rank failed: remove this save's files; the directory keeps what it held. The error text."""
-        writer = self._writer_for(save.path)
-        self._remove_files(writer, save.path, files)
-        if save.marker is not None:
-            self._remove_files(writer, save.path, [_name(save.marker)])
-        _remove_if_no_checkpoint_left(writer, save.path)
+        """Rank 0, a rank failed: remove this save's files (its marker goes after, with any settled save's); the
+        directory keeps what it held. The error text."""
+        self._remove_files(self._writer_for(save.path), save.path, files)
+        _remove_if_no_checkpoint_left(save.path)
         return "; ".join(f"rank {rank} failed: {error}" for rank, error in failed)
 
     def _remove_files(self, writer: StorageWriter, directory: str, names: Any) -> None:
@@ -327,24 +296,6 @@ class ShardedCommitter:
             writer.remove_files(directory, names)  # one request for them all on S3
         except Exception as exc:  # noqa: BLE001 - a leftover file, never a wrong checkpoint
             log.warning("lightning_datastates: could not remove %s from %s: %r", names, directory, exc)
-
-    def _remove(self, removal: _Removal) -> None:
-        with self._lock:
-            if removal.cancelled:
-                return  # the path was saved again meanwhile
-            removal.started = True
-            failed = self._failure_count > removal.failures_before
-        if failed:
-            log.warning("lightning_datastates: kept %s: a newer checkpoint failed", removal.path)
-            return
-        removal.remove()
-
-    def _fail(self, error: CheckpointFlushError | None) -> None:
-        """A checkpoint was not committed: later queued removals are dropped; ``error`` is reported once."""
-        with self._lock:
-            if error is not None:
-                self._failures.append(error)
-            self._failure_count += 1
 
 
 def _finished(writer: StorageWriter, directory: str, names: set[str]) -> bool:
@@ -364,11 +315,15 @@ def _files_of(writer: StorageWriter, metadata_path: str) -> list[str]:
     return files_named(bytes(writer.read_bytes(metadata_path)))
 
 
-def _remove_if_no_checkpoint_left(writer: StorageWriter, directory: str) -> None:
-    """After a save's files were removed: the local ``directory`` if it holds no checkpoint and nothing else (an empty
-    directory named like a checkpoint would trip a resume)."""
-    if not writer.exists(join_path(directory, LIGHTNING_META_NAME)):
+def _remove_if_no_checkpoint_left(directory: str) -> None:
+    """After a save's files were removed: the local ``directory`` if it holds nothing (an empty directory named like a
+    checkpoint would trip a resume); no request to other storage (where a directory with no objects is none)."""
+    if is_local_path(directory) and not os.path.exists(local_path(join_path(directory, LIGHTNING_META_NAME))):
         remove_empty_local_directory(directory)
+
+
+def _not_committed(path: str, why: str) -> CheckpointFlushError:
+    return CheckpointFlushError(f"checkpoint {path} was not committed: {why}", path)
 
 
 def _name(path: str) -> str:

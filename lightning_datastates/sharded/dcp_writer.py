@@ -42,7 +42,6 @@ from lightning_datastates.sharded.layout import PieceExtent
 #: DCP's suffix of data files.
 SHARD_SUFFIX = ".distcp"
 #: DCP's name of the file that makes a directory a checkpoint for its reader.
-DCP_METADATA_NAME = ".metadata"
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ the file is a sequence of independent pieces: for each tensor, the archive ``tor
 byte item, its bytes. :func:`plan_shard_file` plans every tensor's archive with
 :func:`~lightning_datastates.capture.layout.plan_layout` (no tensor data touched) and places the pieces one after
 the other, the tensors' first and the byte items' after them, each starting at a multiple of the alignment, into one
-:class:`~lightning_datastates.capture.layout.CheckpointLayout`: the snapshot engine then copies and writes it as
+:class:`~lightning_datastates.records.layout.CheckpointLayout`: the snapshot engine then copies and writes it as
 it does a single-file checkpoint, lazily, and the offsets DCP's metadata needs are known before any byte is copied.
 
 A tensor that views part of a larger storage is saved with that whole storage, as ``torch.save`` does (``torch.load``
@@ -28,16 +28,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from lightning_datastates.alignment import align_up
-from lightning_datastates.capture.layout import (
-    CheckpointLayout,
-    ChecksumSlot,
-    StorageRecord,
-    VerifiedStructures,
-    joined_segments,
-    plan_layout,
-    with_metadata_checksums,
-)
+from lightning_datastates.capture.layout import plan_layout
+from lightning_datastates.capture.segments import joined_segments, with_metadata_checksums
+from lightning_datastates.capture.verified import VerifiedStructures
 from lightning_datastates.compat.torch import storage_identity
+from lightning_datastates.records.layout import CheckpointLayout, ChecksumSlot, StorageRecord
 
 #: Where each piece starts in the file when no storage alignment is set (torch's own record alignment).
 DEFAULT_PIECE_ALIGNMENT = 64

@@ -12,7 +12,9 @@ before, or the new one), and only the files it does not name are removed; withou
 switch died half-way and is completed from the record, then cleaned the same way; with neither, it is no checkpoint
 at all and is removed whole. The open uploads the dead ranks left in it go first (S3). Every backend that lists
 directories is cleaned this way (local, S3, other fsspec:
-:meth:`~lightning_datastates.storage.base.StorageWriter.list_directory`).
+:meth:`~lightning_datastates.storage.base.StorageWriter.list_directory`). A directory holding a removal marker
+(:mod:`~lightning_datastates.storage.removal`) whose writer is gone was being removed when its writer died: its
+removal is finished, whatever it still holds.
 """
 
 from __future__ import annotations
@@ -20,15 +22,14 @@ from __future__ import annotations
 import logging
 import time
 
-from lightning_datastates.sharded.dcp_writer import DCP_METADATA_NAME, join_path
-from lightning_datastates.sharded.publish import LIGHTNING_META_NAME, complete_or_keep, files_named
+from lightning_datastates.records.names import DCP_METADATA_NAME, LIGHTNING_META_NAME, PENDING_SUFFIX, REMOVING_SUFFIX
+from lightning_datastates.sharded.dcp_writer import join_path
+from lightning_datastates.sharded.publish import complete_or_keep, files_named
 from lightning_datastates.storage.base import DirectoryEntry, StorageWriter
 from lightning_datastates.storage.leftovers import leftover_name, parse_leftover_name, writer_gone
+from lightning_datastates.storage.removal import finish_removal, is_removal_marker
 
 log = logging.getLogger("lightning_datastates")
-
-#: Suffix of the marker of a sharded save in flight.
-PENDING_SUFFIX = ".datastates-pending"
 
 
 def mark_pending(writer: StorageWriter, directory: str) -> str:
@@ -72,13 +73,21 @@ def clean_sharded_leftovers(writer: StorageWriter, parent: str, max_age_s: float
 def _clean_directory(writer: StorageWriter, directory: str, max_age_s: float, now: float) -> list[str]:
     """Clean ``directory`` if it holds a sharded save that died (a marker whose writer is gone); the paths removed."""
     entries = {e.name: e for e in writer.list_directory(directory)}
-    markers = {n: m for n in entries if (m := parse_leftover_name(n, PENDING_SUFFIX)) is not None}
+    markers = {
+        n: m
+        for n in entries
+        if (m := parse_leftover_name(n, PENDING_SUFFIX) or parse_leftover_name(n, REMOVING_SUFFIX)) is not None
+    }
     if not markers:
         return []
     ages = {n: _age_s(entries[n], now) for n in markers}
     if not all(writer_gone(m.owner, ages[n], max_age_s, tracks_own_writes=False) for n, m in markers.items()):
-        return []  # a live process still saves here
+        return []  # a live process still saves or removes here
     writer.clean_stale(directory, max_age_s)  # the dead ranks' open uploads (S3), temporary files
+    if any(is_removal_marker(name) for name in markers):
+        # A removal died half-way (storage/removal.py): whatever it left is no checkpoint any more; finish it.
+        log.info("lightning_datastates: finishing the removal of %s, which a dead run left half-way", directory)
+        return finish_removal(writer, directory, list(entries.values()))
     return _settle(writer, directory, entries)
 
 

@@ -37,15 +37,10 @@ from __future__ import annotations
 import pickle
 import struct
 
-from lightning_datastates.sharded.dcp_writer import DCP_METADATA_NAME, join_path
+from lightning_datastates.records.names import COMMIT_RECORD_NAME, DCP_METADATA_NAME, LIGHTNING_META_NAME
+from lightning_datastates.sharded.dcp_writer import join_path
 from lightning_datastates.storage.base import StorageWriter, write_file
 
-#: Lightning's file in a sharded checkpoint directory (``lightning.fabric.utilities.load._METADATA_FILENAME``): it
-#: makes the directory a checkpoint for Lightning's load.
-LIGHTNING_META_NAME = "meta.pt"
-#: The commit record in a checkpoint directory, while rank 0 switches it to a new checkpoint (see the module
-#: docstring). Neither DCP nor Lightning reads it; a committed checkpoint holds none.
-COMMIT_RECORD_NAME = ".datastates-commit"
 _RECORD_MAGIC = b"LDSCOMMIT1"
 _LENGTH = struct.Struct("<Q")
 

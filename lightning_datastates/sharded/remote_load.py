@@ -19,8 +19,8 @@ from lightning.pytorch.strategies import FSDPStrategy
 
 from lightning_datastates.compat.torch import dcp_fsspec_reader
 from lightning_datastates.load.reader import load_checkpoint
+from lightning_datastates.records.names import LIGHTNING_META_NAME
 from lightning_datastates.sharded.dcp_writer import join_path
-from lightning_datastates.sharded.publish import LIGHTNING_META_NAME
 from lightning_datastates.storage import fsspec_storage_options
 from lightning_datastates.storage.base import StorageWriter
 

@@ -18,16 +18,16 @@ from typing import Any, Protocol
 
 import torch
 
-from lightning_datastates.capture.layout import VerifiedStructures
+from lightning_datastates.capture.verified import VerifiedStructures
 from lightning_datastates.errors import CheckpointCaptureError
 from lightning_datastates.interrupts import sigint_deferred
+from lightning_datastates.records.job import SnapshotStats
 from lightning_datastates.sharded.commit import ShardedCommitter, ShardedSave, remove_empty_local_directory
 from lightning_datastates.sharded.dcp_writer import join_path
 from lightning_datastates.sharded.layout import ArchivePlans
 from lightning_datastates.sharded.leftovers import mark_pending
 from lightning_datastates.sharded.staging import LocalPlans, failed_staging, stage_shard
 from lightning_datastates.snapshot.engine import LazyPredicate, SnapshotEngine
-from lightning_datastates.snapshot.job import SnapshotStats
 from lightning_datastates.storage.base import StorageWriter
 from lightning_datastates.storage.local import is_local_path, local_path
 
@@ -49,7 +49,7 @@ class SaverHost(Protocol):
         """Raise the oldest unreported background failure (of ``path`` if given)."""
 
     def clean_stale(self, directory: str) -> list[str]:
-        """Remove what dead runs left in ``directory``."""
+        """Remove what dead runs left in ``directory``, once per directory and run."""
 
 
 class ShardedSaver:
@@ -64,8 +64,7 @@ class ShardedSaver:
         # The saves of one run repeat the same shards: their archives and DCP's local plan are planned once.
         self._plans = ArchivePlans(alignment, VerifiedStructures())
         self._local_plans = LocalPlans()
-        self._cleaned: set[str] = set()
-        self.committer = ShardedCommitter(group, rank, host.engine.wait_path, host.writer_for)
+        self.committer = ShardedCommitter(group, rank, host.engine.pending, host.engine.wait_path, host.writer_for)
 
     def save(self, state: dict[str, Any], meta: dict[str, Any], path: str, broadcast: Callable[[Any], Any]) -> None:
         """Save ``state`` (tensors, sharded or not) in DCP's format into directory ``path``, and ``meta`` as
@@ -116,7 +115,7 @@ class ShardedSaver:
         if awaits_commit:
             # Outside fit's training loop: return once the checkpoint is committed, as Lightning's own save does.
             try:
-                self.committer.wait_path(path)
+                host.engine.wait_path(path)
             finally:
                 host.engine.wait_copies(attribute=False)
             host.raise_pending_failure(path)
@@ -138,14 +137,11 @@ class ShardedSaver:
         failure: BaseException | None = None
         if self.rank == 0:
             try:
-                # A removal of this path queued behind pending saves (remove_checkpoint, then a new save of the same
-                # path) must not run once this save has files there: dropped, or waited for if already running.
-                self.committer.cancel_removals(path)
+                # A removal of this path held back behind pending saves (remove_checkpoint, then a new save of the
+                # same path) must not run once this save has files there: dropped, or waited for if already running.
+                self._host.engine.pending.before_save(path)
                 meta_bytes = _serialized(meta)  # the non-tensor state as it is now
-                directory = os.path.dirname(path.rstrip("/")) or "."
-                if directory not in self._cleaned:
-                    self._cleaned.add(directory)
-                    self._host.clean_stale(directory)
+                self._host.clean_stale(os.path.dirname(path.rstrip("/")) or ".")
                 if is_local_path(path):
                     _prepare_local_directory(local_path(path))
                 marker = mark_pending(self._host.writer_for(path), path)

@@ -15,7 +15,7 @@ import itertools
 import statistics
 from collections.abc import Sequence
 
-from lightning_datastates.snapshot.job import JobState, SnapshotStats
+from lightning_datastates.records.job import JobState, SnapshotStats
 
 
 class BackPressureWarning(UserWarning):

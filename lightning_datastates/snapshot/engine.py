@@ -6,13 +6,13 @@ The steps of a checkpoint, and where each lives:
    (:mod:`~lightning_datastates.capture.planning` over :mod:`~lightning_datastates.capture.layout`; the non-tensor
    skeleton is pickled there and then), admit the checkpoint into the host arena
    (:mod:`~lightning_datastates.capture.admission`), open a write session, cut the storages into chunks
-   (:mod:`~lightning_datastates.capture.chunks`), sharing earlier copies of the same state
+   (:mod:`~lightning_datastates.records.chunks`), sharing earlier copies of the same state
    (:mod:`~lightning_datastates.copy.sharing`), register the checkpoint (:mod:`~lightning_datastates.snapshot.pending`)
    and hand it to the copier. It returns once the storages that may change before the next barrier (and small host
    storages) are in host memory (:func:`~lightning_datastates.capture.planning.eager_record_keys`).
 2. **copy** (copier thread, :mod:`~lightning_datastates.copy.loop`): every other storage into the host arena, chunk by
    chunk, while training goes on; lazy chunks of host tensors may instead be written straight from them
-   (:mod:`~lightning_datastates.write.through`). A barrier (:meth:`SnapshotEngine.wait_copies`) waits for this step.
+   (:mod:`~lightning_datastates.records.through`). A barrier (:meth:`SnapshotEngine.wait_copies`) waits for this step.
 3. **write** (writer threads, :mod:`~lightning_datastates.write.loop`): each chunk at its offsets, then its block is
    freed (or, with ``serve_from_memory``, handed to the resident cache, :mod:`~lightning_datastates.load.resident`).
 4. **commit** (writer threads): once the last byte is written the file is committed, and the checkpoint finished
@@ -49,8 +49,6 @@ from lightning_datastates.capture.admission import (
     prepare_arena,
     skipped_stats,
 )
-from lightning_datastates.capture.chunks import plan_chunks
-from lightning_datastates.capture.layout import CheckpointLayout
 from lightning_datastates.capture.planning import LayoutPlanner, eager_record_keys, plan_lazy_copy
 from lightning_datastates.config import DataStatesConfig
 from lightning_datastates.copy.arena import HostArena
@@ -59,14 +57,16 @@ from lightning_datastates.copy.loop import CopyLoop
 from lightning_datastates.copy.pinning import cuda_device_of
 from lightning_datastates.copy.sharing import SharedCopies, SharingCounters
 from lightning_datastates.load.resident import ResidentCache
+from lightning_datastates.records.checksums import checksummed
+from lightning_datastates.records.chunks import plan_chunks
+from lightning_datastates.records.job import SnapshotJob, SnapshotStats
+from lightning_datastates.records.layout import CheckpointLayout
+from lightning_datastates.records.tasks import WriteQueue
 from lightning_datastates.snapshot.backpressure import BackPressureWarning, describe_back_pressure
-from lightning_datastates.snapshot.job import SnapshotJob, SnapshotStats
-from lightning_datastates.snapshot.pending import PendingCheckpoints
+from lightning_datastates.snapshot.pending import PendingCheckpoints, PendingCommit
 from lightning_datastates.snapshot.threads import EngineThreads
 from lightning_datastates.storage.base import StorageWriter
-from lightning_datastates.write.checksums import checksummed
 from lightning_datastates.write.loop import WriteLoop
-from lightning_datastates.write.tasks import WriteQueue
 
 log = logging.getLogger("lightning_datastates")
 
@@ -104,7 +104,7 @@ class SnapshotEngine:
         self._copiers = CopierSet()
         self._sharing = SharedCopies()  # lazy copies open to later checkpoints of the same state
         self._write_queue: WriteQueue = queue.Queue()
-        # The copier thread waits on it for write-through chunks (write/through.py) and new captures.
+        # The copier thread waits on it for write-through chunks (records/through.py) and new captures.
         self._copier_wake = threading.Condition()
         self._data_path: _DataPath | None = None  # set up by the first capture
         self._prepared: PreparedArena | None = None  # an arena made before the first capture, for it
@@ -155,7 +155,7 @@ class SnapshotEngine:
         when this returns. With ``lazy=None`` everything is.
 
         Lazy chunks of host tensors bound for fast storage are written straight from the tensors by writer threads
-        (write/through.py). Normally the copier copies the same job's chunks into the arena from the last one
+        (records/through.py). Normally the copier copies the same job's chunks into the arena from the last one
         backwards meanwhile, so that little is left to copy when the barrier comes. With ``awaits_commit`` the caller
         changes nothing before this checkpoint is committed (no barrier comes first): then the copier leaves every
         such chunk to the writers, and the checkpoint is written without any copy. Such a save is never skipped by
@@ -200,10 +200,10 @@ class SnapshotEngine:
             return stats
         chunk_bytes = max(4096, min(self.config.chunk_size, data_path.arena.size_bytes // 4))
         eager_keys = eager_record_keys(layout.records, storages, lazy, self.config.eager_copy_size)
-        # Writer threads checksum what they write and fill each record's CRC-32 (write/checksums.py).
+        # Writer threads checksum what they write and fill each record's CRC-32 (records/checksums.py).
         session = checksummed(writer.begin(path, layout.total_bytes), layout.checksums)
         # Direct I/O: pieces sit in their arena block as in the file, modulo the disk block, so that writes need no
-        # bounce copy (capture/chunks.py); chunks are cut from the arena, which is page-aligned, so blocks of a disk
+        # bounce copy (records/chunks.py); chunks are cut from the arena, which is page-aligned, so blocks of a disk
         # block.
         alignment = session.direct_alignment
         phase_bytes = alignment if alignment and alignment <= chunk_bytes else None
@@ -305,6 +305,11 @@ class SnapshotEngine:
         warnings.warn(message, BackPressureWarning, stacklevel=2)
 
     # ------------------------------------------------------------------ pending checkpoints
+    @property
+    def pending(self) -> PendingCheckpoints:
+        """The registry of pending work: this engine's files, and the sharded commits that register there too."""
+        return self._pending
+
     def is_pending(self, path: str) -> bool:
         """Whether a checkpoint for ``path`` is captured but not yet committed (or dropped)."""
         return self._pending.is_pending(path)
@@ -338,8 +343,8 @@ class SnapshotEngine:
         """Wait until every pending checkpoint is committed or dropped."""
         self._pending.drain()
 
-    def pop_failure(self, path: str | None = None) -> SnapshotJob | None:
-        """The oldest failed, not yet reported checkpoint (of ``path`` if given); it counts as reported now."""
+    def pop_failure(self, path: str | None = None) -> SnapshotJob | PendingCommit | None:
+        """The oldest failed, not yet reported save (of ``path`` if given); it counts as reported now."""
         return self._pending.pop_failure(path)
 
     def warn_failures(self) -> None:
@@ -347,8 +352,8 @@ class SnapshotEngine:
         reported."""
         self._pending.warn_failures()
 
-    def unreported_failures(self) -> list[SnapshotJob]:
-        """Failed checkpoints not yet reported, oldest first (they stay unreported)."""
+    def unreported_failures(self) -> list[SnapshotJob | PendingCommit]:
+        """Failed saves not yet reported, oldest first (they stay unreported)."""
         return self._pending.unreported_failures()
 
     def close(self) -> None:

@@ -1,14 +1,25 @@
-"""Pending checkpoints: captured and not yet finished, failed and not yet reported, and removals held back for them.
+"""Pending work, one registry for every save, whatever the strategy: checkpoints captured and not yet finished,
+failed and not yet reported, and removals held back for them.
+
+Two kinds of save register here: the engine's :class:`~lightning_datastates.records.job.SnapshotJob` (a file the
+engine copies and writes: a single-file checkpoint, or one rank's shard file) and a :class:`PendingCommit` (a sharded
+checkpoint's directory, published by :mod:`~lightning_datastates.sharded.commit` once every rank's shard file is
+durable). Both are waited for, reported and hold back removals the same way, so the plugin asks one registry whatever
+the strategy.
 
 Call order:
-  1) :meth:`PendingCheckpoints.register_locked` on the training thread, inside capture, with the lock held (the same
-     hold queues the checkpoint for the copier; threads decide to end under it too);
-  2) the queries and waits (``is_pending``, ``wait_path``, ``cancel_path``, ``defer_removal``, ``drain``,
+  1) :meth:`PendingCheckpoints.before_save` on the training thread, before a save writes anything at its path;
+  2) :meth:`PendingCheckpoints.register_locked` (a job, inside capture, with the lock held: the same hold queues the
+     checkpoint for the copier, and threads decide to end under it too) or :meth:`PendingCheckpoints.register_commit`
+     (a sharded save, once staged), on the training thread;
+  3) the queries and waits (``is_pending``, ``wait_path``, ``cancel_path``, ``defer_removal``, ``drain``,
      ``pop_failure``, ...) on the training thread, any time;
-  3) :meth:`PendingCheckpoints.finish` on a writer thread, once per checkpoint, after its commit or abort.
+  4) :meth:`PendingCheckpoints.finish` once per entry, after its commit or abort: on a writer thread (a job) or the
+     committer thread (a commit). It carries out the removals the entry was the last to hold back, on that thread.
 
-A save of a path that is still pending supersedes the pending one: that one is cancelled, and the new one commits
-only after it finished, so saves of one path land in order.
+A save of a file that is still pending supersedes the pending one: that one is cancelled, and the new one commits
+only after it finished, so saves of one path land in order. Commits of one directory are published in order by their
+committer and never cancelled.
 """
 
 from __future__ import annotations
@@ -17,33 +28,86 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
-from lightning_datastates.snapshot.job import JobState, SnapshotJob
+from lightning_datastates.errors import CheckpointFlushError
+from lightning_datastates.records.job import JobState, SnapshotJob
 
 log = logging.getLogger("lightning_datastates")
 
+#: How a save that failed or was skipped stands: the removals waiting for it are dropped.
+_NOT_COMMITTED = (JobState.FAILED, JobState.SKIPPED)
+
+
+@dataclass(eq=False)
+class PendingCommit:
+    """A sharded checkpoint's directory, registered until its committer published or discarded it.
+
+    ``state`` and ``error`` are set by the committer thread before :meth:`PendingCheckpoints.finish`: ``state`` whether
+    the directory became the checkpoint (``COMMITTED``; ``FAILED`` or ``SKIPPED`` drop the removals waiting for it),
+    ``error`` the failure to report on this rank (None where it was reported another way: this rank's own shard file
+    or staging).
+    """
+
+    path: str
+    state: JobState = JobState.WRITING
+    error: CheckpointFlushError | None = None
+    finished: threading.Event = field(default_factory=threading.Event)
+    settled: bool = False
+    successor: Any = None  # never superseded: commits of one directory land in order
+
+
+def flush_error(entry: SnapshotJob | PendingCommit) -> CheckpointFlushError:
+    """The error to raise for a failed ``entry``, its cause chained."""
+    if isinstance(entry.error, CheckpointFlushError):
+        return entry.error
+    error = CheckpointFlushError(f"writing checkpoint {entry.path} failed: {entry.error!r}", entry.path)
+    error.__cause__ = entry.error
+    return error
+
 
 class PendingCheckpoints:
-    """Every checkpoint captured and not yet finished, in capture order, and what waits for them."""
+    """Every save registered and not yet finished, in order, and what waits for them (see the module docstring)."""
 
     def __init__(self) -> None:
         #: Guards everything here; capture holds it while it registers and queues a checkpoint.
         self.lock = threading.Lock()
-        #: Not yet finished, in capture order.
-        self.active: list[SnapshotJob] = []
-        self._latest_by_path: dict[str, SnapshotJob] = {}
-        self._failures: deque[SnapshotJob] = deque()  # failed, not yet reported
-        # path -> (jobs to wait for, remove callable): removals held back until earlier checkpoints landed
-        self._deferred_removals: dict[str, tuple[list[SnapshotJob], Callable[[], None]]] = {}
+        #: Not yet finished, in registration order.
+        self.active: list[SnapshotJob | PendingCommit] = []
+        self._latest_by_path: dict[str, SnapshotJob | PendingCommit] = {}
+        self._failures: deque[SnapshotJob | PendingCommit] = deque()  # failed, not yet reported
+        # path -> (entries to wait for, remove callable): removals held back until earlier saves landed
+        self._deferred_removals: dict[str, tuple[list[SnapshotJob | PendingCommit], Callable[[], None]]] = {}
+        # path -> set once the removal of path that a finishing entry carries out is done
+        self._running_removals: dict[str, threading.Event] = {}
         self._skipped_since_last_capture = False  # removals right after a skipped save keep their file
 
     # ------------------------------------------------------------------ training thread
+    def before_save(self, path: str) -> None:
+        """Before a save writes anything at ``path``: drop a removal of ``path`` still held back (the new checkpoint
+        replaces what it would delete, as a synchronous save after the removal would), and wait for one a finishing
+        entry carries out right now, so that it cannot delete the new save's files."""
+        with self.lock:
+            self._deferred_removals.pop(path, None)
+            running = self._running_removals.get(path)
+        if running is not None:
+            running.wait()
+
+    def register_commit(self, commit: PendingCommit) -> None:
+        """Register a sharded save's directory until its committer calls :meth:`finish`."""
+        with self.lock:
+            self._deferred_removals.pop(commit.path, None)
+            self._skipped_since_last_capture = False
+            self._latest_by_path[commit.path] = commit
+            self.active.append(commit)
+
     def register_locked(self, job: SnapshotJob) -> None:
         """Register ``job`` (call with :attr:`lock` held); a pending save of the same path is superseded by it."""
         self._deferred_removals.pop(job.path, None)  # saved again: the new file replaces the old one anyway
         self._skipped_since_last_capture = False
         predecessor = self._latest_by_path.get(job.path)
-        if predecessor is not None and not predecessor.finished.is_set():
+        if isinstance(predecessor, SnapshotJob) and not predecessor.finished.is_set():
             # A newer save of the same path supersedes the pending one; it commits only after that one ended.
             predecessor.cancel_requested = True
             predecessor.successor = job
@@ -52,8 +116,8 @@ class PendingCheckpoints:
         self.active.append(job)
 
     def busy_locked(self) -> bool:
-        """Whether any checkpoint is pending (call with :attr:`lock` held)."""
-        return bool(self.active)
+        """Whether any of the engine's checkpoints is pending (call with :attr:`lock` held)."""
+        return any(isinstance(entry, SnapshotJob) for entry in self.active)
 
     def note_skipped(self) -> None:
         """A save was skipped (``on_arena_full="skip"``): removals keep their file until the next capture."""
@@ -63,37 +127,44 @@ class PendingCheckpoints:
     def in_flight(self) -> list[SnapshotJob]:
         """Checkpoints captured and not yet committed or dropped, oldest first."""
         with self.lock:
-            return [job for job in self.active if not job.finished.is_set()]
+            return [job for job in self.active if isinstance(job, SnapshotJob) and not job.finished.is_set()]
 
     def copying(self) -> list[SnapshotJob]:
         """Checkpoints whose sources are still read (a barrier waits for them), oldest first."""
         with self.lock:
-            return [job for job in self.active if not job.copied.is_set()]
+            return [job for job in self.active if isinstance(job, SnapshotJob) and not job.copied.is_set()]
 
     def is_pending(self, path: str) -> bool:
-        """Whether a checkpoint for ``path`` is captured but not yet committed (or dropped)."""
+        """Whether a save of ``path`` is registered but not yet committed (or dropped)."""
         with self.lock:
             job = self._latest_by_path.get(path)
         return job is not None and not job.finished.is_set()
 
     def wait_path(self, path: str) -> None:
-        """Wait until the pending checkpoint of ``path``, if any, is committed or dropped."""
+        """Wait until the pending save of ``path``, if any, is committed or dropped (for a directory, the latest
+        registered: its committer publishes them in order)."""
         with self.lock:
             job = self._latest_by_path.get(path)
         if job is not None:
             job.finished.wait()
 
     def cancel_path(self, path: str) -> None:
-        """Drop the pending checkpoint of ``path`` (or let it finish if it is already committing) and wait."""
+        """Drop the engine's pending checkpoint of ``path`` (or let it finish if it is already committing) and wait; a
+        sharded directory's commit is never cancelled (a removal of it is held back behind it instead)."""
         with self.lock:
             job = self._latest_by_path.get(path)
-        if job is not None and not job.finished.is_set():
+        if isinstance(job, SnapshotJob) and not job.finished.is_set():
             job.cancel_requested = True
             job.finished.wait()
 
     def defer_removal(self, path: str, remove: Callable[[], None]) -> None:
-        """Call ``remove`` now if no checkpoint captured so far is still unsettled, else once they all are; keep the
-        file instead (with a warning) if a newer checkpoint failed or was skipped, or if an awaited one fails."""
+        """Call ``remove`` now if no save registered so far is still unsettled, else once they all are (on the thread
+        that finishes the last); keep the file instead (with a warning) if a newer checkpoint failed or was skipped,
+        or if an awaited one fails or is skipped.
+
+        Raises:
+            Exception: whatever ``remove`` raised, where it ran now (on the caller's thread).
+        """
         with self.lock:
             if self._failures:  # a newer checkpoint already failed (not yet reported): keep this one
                 log.warning(
@@ -126,8 +197,9 @@ class PendingCheckpoints:
             for job in active:
                 job.finished.wait()
 
-    def pop_failure(self, path: str | None = None) -> SnapshotJob | None:
-        """The oldest failed, not yet reported checkpoint (of ``path`` if given); it counts as reported now."""
+    def pop_failure(self, path: str | None = None) -> SnapshotJob | PendingCommit | None:
+        """The oldest failed, not yet reported save (of ``path`` if given); it counts as reported now (raise
+        :func:`flush_error` of it)."""
         with self.lock:
             for job in self._failures:
                 if path is None or job.path == path:
@@ -139,26 +211,26 @@ class PendingCheckpoints:
         """Log each failed, not yet reported checkpoint as a warning (``on_flush_error="warn"``); it counts as
         reported."""
         while (job := self.pop_failure()) is not None:
-            log.warning(
-                "lightning_datastates: writing checkpoint %s failed: %r; training goes on (on_flush_error='warn')",
-                job.path,
-                job.error,
-            )
+            log.warning("lightning_datastates: %s; training goes on (on_flush_error='warn')", flush_error(job))
 
-    def unreported_failures(self) -> list[SnapshotJob]:
-        """Failed checkpoints not yet reported, oldest first (they stay unreported)."""
+    def unreported_failures(self) -> list[SnapshotJob | PendingCommit]:
+        """Failed saves not yet reported, oldest first (they stay unreported)."""
         with self.lock:
             return list(self._failures)
 
-    # ------------------------------------------------------------------ writer threads
-    def finish(self, job: SnapshotJob) -> None:
+    # ------------------------------------------------------------------ writer and committer threads
+    def finish(self, job: SnapshotJob | PendingCommit) -> None:
         """``job`` is committed, failed or cancelled (its state set): carry out the removals it was the last to hold
         back, deregister it, let waiters through, and let the next save of its path commit."""
-        for path, remove in self._settle_removals(job):
+        for path, remove, done in self._settle_removals(job):
             try:
                 remove()
             except Exception:
                 log.exception("lightning_datastates: could not remove %s (a top-k removal); delete it by hand", path)
+            finally:
+                with self.lock:
+                    self._running_removals.pop(path, None)
+                done.set()
         with self.lock:
             if job.error is not None:
                 self._failures.append(job)
@@ -170,10 +242,13 @@ class PendingCheckpoints:
         if successor is not None:
             successor.release()  # the next save of this path may commit now
 
-    def _settle_removals(self, job: SnapshotJob) -> list[tuple[str, Callable[[], None]]]:
-        """Mark ``job`` settled; return the deferred removals it was the last to hold back.
+    def _settle_removals(
+        self, job: SnapshotJob | PendingCommit
+    ) -> list[tuple[str, Callable[[], None], threading.Event]]:
+        """Mark ``job`` settled; return the deferred removals it was the last to hold back, each registered as running.
 
-        A failed job drops the removals waiting for it: the file to remove may be the last good checkpoint.
+        A job that failed (or a commit skipped) drops the removals waiting for it: the file to remove may be the last
+        good checkpoint.
         """
         due = []
         with self.lock:
@@ -181,7 +256,7 @@ class PendingCheckpoints:
             for path, (waiting, remove) in list(self._deferred_removals.items()):
                 if job not in waiting:
                     continue
-                if job.state is JobState.FAILED:
+                if job.state in _NOT_COMMITTED:
                     del self._deferred_removals[path]
                     log.warning(
                         "lightning_datastates: keeping %s, which was to be removed, because writing %s failed",
@@ -192,5 +267,6 @@ class PendingCheckpoints:
                 waiting.remove(job)
                 if not waiting:
                     del self._deferred_removals[path]
-                    due.append((path, remove))
+                    done = self._running_removals[path] = threading.Event()
+                    due.append((path, remove, done))
         return due

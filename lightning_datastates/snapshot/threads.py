@@ -3,8 +3,8 @@
 Call order:
   1) :meth:`EngineThreads.start_missing` on the training thread, inside capture, with the pending checkpoints' lock
      held (:mod:`~lightning_datastates.snapshot.pending`): starts the threads that are not running;
-  2) :meth:`EngineThreads.retire_if_idle` on each engine thread whenever its queue stayed empty for :data:`POLL_S`:
-     whether to end now;
+  2) :meth:`EngineThreads.retire_if_idle` on each engine thread whenever its queue stayed empty for
+     :data:`~lightning_datastates.records.tasks.POLL_S`: whether to end now;
   3) :meth:`EngineThreads.stop` on the training thread (the engine's close, after a drain): ends and joins them all.
 
 Threads are ordinary (non-daemon) threads: at interpreter exit they finish every pending checkpoint and then end by
@@ -24,8 +24,6 @@ from typing import Any
 
 log = logging.getLogger("lightning_datastates")
 
-#: How often idle threads look whether they should end (engine closed, or interpreter exiting).
-POLL_S = 0.1
 #: Idle threads end after this long without work (they are started again by the next capture).
 IDLE_EXIT_S = 10.0
 

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from lightning_datastates.storage.base import StorageWriter, WriteSession
+from lightning_datastates.config import DirectIO
+from lightning_datastates.storage.base import StorageWriter
 from lightning_datastates.storage.generic import GenericWriter, protocol_of
 from lightning_datastates.storage.local import LocalWriter, is_local_path, local_path
-
-if TYPE_CHECKING:  # config imports this package (its stale-age default): no import back at run time
-    from lightning_datastates.config import DirectIO
 
 __all__ = [
     "GenericWriter",
     "LocalWriter",
     "StorageWriter",
-    "WriteSession",
     "fsspec_storage_options",
     "is_local_path",
     "local_path",

@@ -33,9 +33,10 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from lightning_datastates.storage.leftovers import DEFAULT_STALE_AGE_S
+from lightning_datastates.config import DEFAULT_STALE_AGE_S
+from lightning_datastates.records.session import WriteSession
 
-__all__ = ["DEFAULT_STALE_AGE_S", "DirectoryEntry", "StorageWriter", "WriteSession", "write_file"]
+__all__ = ["DirectoryEntry", "StorageWriter", "write_file"]
 
 
 @dataclass(frozen=True)
@@ -46,35 +47,6 @@ class DirectoryEntry:
     name: str
     is_directory: bool
     modified_s: float | None
-
-
-class WriteSession(ABC):
-    """One checkpoint being written; see the module docstring for the call order."""
-
-    path: str
-    #: Whether ``write_range`` returns at memory speed (the bytes land in the page cache or a local buffer), so that
-    #: writing straight from training tensors holds them only for moments (see ``write/through.py``).
-    fast_writes: bool = False
-    #: With direct I/O: ranges whose memory address and file offset agree modulo this many bytes are written straight
-    #: from that memory (no bounce copy), so the engine places its arena blocks to match. None: any address will do.
-    direct_alignment: int | None = None
-
-    @abstractmethod
-    def write_range(self, offset: int, data: memoryview) -> None:
-        """Write ``data`` at byte ``offset`` of the file (thread-safe)."""
-
-    def write_checksummed_range(self, offset: int, data: memoryview, crc: int) -> None:
-        """:meth:`write_range`, for bytes whose CRC-32 the caller already knows; a session that keeps checksums uses
-        it instead of reading the bytes again (see :mod:`~lightning_datastates.write.checksums`), others ignore it."""
-        self.write_range(offset, data)
-
-    @abstractmethod
-    def complete(self) -> None:
-        """Make the file durable and visible under its final name, atomically."""
-
-    @abstractmethod
-    def abort(self) -> None:
-        """Discard everything written; the final name keeps whatever it held before."""
 
 
 class StorageWriter(ABC):
@@ -95,7 +67,13 @@ class StorageWriter(ABC):
 
     @abstractmethod
     def remove(self, path: str) -> None:
-        """Remove the committed file at ``path``; a missing file is not an error."""
+        """Remove the file at ``path``, or the directory tree there, in whatever order the backend lists it; missing
+        is not an error. A checkpoint is removed through :func:`~lightning_datastates.storage.removal.
+        remove_checkpoint`, which orders a directory's removal so that a crash leaves no torn checkpoint.
+
+        Raises:
+            OSError: something could not be removed (the error names it).
+        """
 
     def remove_files(self, directory: str, names: Sequence[str]) -> None:
         """Remove the files ``names`` directly in ``directory`` (files only: a sharded checkpoint's shards, its

@@ -24,10 +24,10 @@ from typing import Any, BinaryIO
 import fsspec
 from fsspec.core import split_protocol
 
+from lightning_datastates.config import DEFAULT_STALE_AGE_S
 from lightning_datastates.errors import ConfigError
 from lightning_datastates.storage.base import DirectoryEntry, StorageWriter
 from lightning_datastates.storage.leftovers import (
-    DEFAULT_STALE_AGE_S,
     TEMP_SUFFIX,
     leftover_name,
     parse_leftover_name,

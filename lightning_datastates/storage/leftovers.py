@@ -6,8 +6,8 @@ systems) or, on S3, a marker object naming an open multipart upload. Each is nam
 which process left it (:func:`parse_leftover_name`), and never matches ``*.ckpt``.
 
 Whether its writer is gone (:func:`writer_gone`): a process of this host can be asked (:func:`pid_alive`); a writer
-of another host, or one whose name says nothing, counts as gone once the leftover is :data:`DEFAULT_STALE_AGE_S` old
-(``max_age_s``).
+of another host, or one whose name says nothing, counts as gone once the leftover is
+:data:`~lightning_datastates.config.DEFAULT_STALE_AGE_S` old (``max_age_s``).
 """
 
 from __future__ import annotations
@@ -20,9 +20,6 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-#: Leftovers whose writer cannot be asked whether it is alive (a temporary file of another host, an S3 upload with no
-#: marker) are removed by ``StorageWriter.clean_stale`` once they are this old (by default).
-DEFAULT_STALE_AGE_S = 3600.0
 #: Suffix of temporary files (local and other fsspec file systems).
 TEMP_SUFFIX = ".datastates-tmp"
 

@@ -25,21 +25,19 @@ import shutil
 import threading
 import time
 from collections.abc import Hashable, Iterator
-from typing import TYPE_CHECKING, BinaryIO
+from typing import Any, BinaryIO
 
 from lightning_datastates.alignment import PAGE_ALIGNMENT_BYTES, align_up
-from lightning_datastates.storage.base import DirectoryEntry, StorageWriter, WriteSession
+from lightning_datastates.config import DEFAULT_STALE_AGE_S, DirectIO
+from lightning_datastates.records.session import WriteSession
+from lightning_datastates.storage.base import DirectoryEntry, StorageWriter
 from lightning_datastates.storage.direct_io import direct_io_suits, no_direct_io, open_direct, write_all, write_direct
 from lightning_datastates.storage.leftovers import (
-    DEFAULT_STALE_AGE_S,
     TEMP_SUFFIX,
     leftover_name,
     parse_leftover_name,
     writer_gone,
 )
-
-if TYPE_CHECKING:  # config imports the storage package (its stale-age default): no import back at run time
-    from lightning_datastates.config import DirectIO
 
 #: Longest file name most POSIX file systems accept.
 _MAX_NAME_BYTES = 255
@@ -265,10 +263,14 @@ class LocalWriter(StorageWriter):
         return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
     def remove(self, path: str) -> None:
-        """Delete ``path`` (a file, or a directory tree as sharded strategies write); missing is fine."""
+        """Delete ``path`` (a file, or a directory tree); missing is fine.
+
+        Raises:
+            OSError: something could not be removed (the error names it): a removal never fails silently.
+        """
         path = local_path(path)
         if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
+            shutil.rmtree(path, onerror=_missing_is_fine)
             return
         try:
             os.unlink(path)
@@ -363,3 +365,9 @@ def _fsync_directory(directory: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _missing_is_fine(function: Any, path: str, exc_info: Any) -> None:
+    """``shutil.rmtree``'s error handler: an entry already gone (another remover) is fine; anything else raises."""
+    if not isinstance(exc_info[1], FileNotFoundError):
+        raise exc_info[1]

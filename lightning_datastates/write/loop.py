@@ -1,10 +1,10 @@
-"""The writer threads' loop: each takes tasks (:mod:`~lightning_datastates.write.tasks`) from one shared queue.
+"""The writer threads' loop: each takes tasks (:mod:`~lightning_datastates.records.tasks`) from one shared queue.
 
 Per checkpoint, writer threads 1) write its metadata; 2) write each chunk at its file offsets, from its arena block
 (then write the same bytes into every checkpoint that shares the chunk, :mod:`~lightning_datastates.copy.sharing`, and
 free the block or hand it to the resident cache, :mod:`~lightning_datastates.load.resident`), or straight from the
-training tensors (:mod:`~lightning_datastates.write.through`); 3) once its last outstanding work is released
-(:meth:`~lightning_datastates.snapshot.job.SnapshotJob.release`, which calls :meth:`WriteLoop.schedule_commit` on
+training tensors (:mod:`~lightning_datastates.records.through`); 3) once its last outstanding work is released
+(:meth:`~lightning_datastates.records.job.SnapshotJob.release`, which calls :meth:`WriteLoop.schedule_commit` on
 whichever thread released it), commit the file, or abort it if the checkpoint failed or was cancelled, and finish the
 checkpoint (:meth:`~lightning_datastates.snapshot.pending.PendingCheckpoints.finish`).
 
@@ -22,15 +22,22 @@ from typing import Any
 
 import torch
 
-from lightning_datastates.capture.chunks import Chunk
-from lightning_datastates.copy.arena import Block, HostArena, address_view
-from lightning_datastates.copy.copier import PieceCrcs
+from lightning_datastates.copy.arena import HostArena, address_view
 from lightning_datastates.copy.sharing import FollowerWrite, SharedCopies
 from lightning_datastates.load.resident import ResidentCache
-from lightning_datastates.snapshot.job import JobState, SnapshotJob
-from lightning_datastates.snapshot.threads import POLL_S
-from lightning_datastates.storage.base import WriteSession
-from lightning_datastates.write.tasks import Commit, WriteChunk, WriteMetadata, WriteQueue, WriteTask, WriteThroughChunk
+from lightning_datastates.records.block import Block, PieceCrcs
+from lightning_datastates.records.chunks import Chunk
+from lightning_datastates.records.job import JobState, SnapshotJob
+from lightning_datastates.records.session import WriteSession
+from lightning_datastates.records.tasks import (
+    POLL_S,
+    Commit,
+    WriteChunk,
+    WriteMetadata,
+    WriteQueue,
+    WriteTask,
+    WriteThroughChunk,
+)
 
 log = logging.getLogger("lightning_datastates")
 

@@ -27,8 +27,8 @@ from typing import Any
 
 import fsspec.asyn
 
-from lightning_datastates.storage.base import WriteSession
-from lightning_datastates.storage.leftovers import DEFAULT_STALE_AGE_S
+from lightning_datastates.config import DEFAULT_STALE_AGE_S
+from lightning_datastates.records.session import WriteSession
 from lightning_datastates.storage.s3.client import S3Client, S3WriteError
 from lightning_datastates.storage.s3.markers import OPEN_UPLOADS, UploadMarker, drop_marker
 from lightning_datastates.storage.s3.parts import PartPlan

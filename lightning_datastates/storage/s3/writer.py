@@ -18,10 +18,9 @@ import threading
 from collections.abc import Hashable, Sequence
 from typing import Any, BinaryIO
 
-from lightning_datastates.config import Size, parse_size
+from lightning_datastates.config import DEFAULT_STALE_AGE_S, Size, parse_size
 from lightning_datastates.errors import ConfigError
 from lightning_datastates.storage.base import DirectoryEntry, StorageWriter
-from lightning_datastates.storage.leftovers import DEFAULT_STALE_AGE_S
 from lightning_datastates.storage.s3 import deletes, reads
 from lightning_datastates.storage.s3.client import (
     ERROR_HINTS,

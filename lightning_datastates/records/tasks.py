@@ -3,21 +3,21 @@
 Call order, per checkpoint: 1) :class:`WriteMetadata`, then :class:`WriteChunk` and :class:`WriteThroughChunk` tasks,
 put by the copier thread (:mod:`~lightning_datastates.copy.loop`); 2) one :class:`Commit`, put by whichever thread
 released the checkpoint's last outstanding work. Writer threads take them in any order
-(:mod:`~lightning_datastates.write.loop`).
+(:mod:`~lightning_datastates.write.loop`). :data:`POLL_S` bounds how long an engine thread waits on its queue at a time.
 """
 
 from __future__ import annotations
 
 import queue
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from lightning_datastates.capture.chunks import Chunk
-from lightning_datastates.copy.arena import Block
-from lightning_datastates.copy.copier import PieceCrcs
+from lightning_datastates.records.block import Block, PieceCrcs
+from lightning_datastates.records.chunks import Chunk
+from lightning_datastates.records.job import SnapshotJob
 
-if TYPE_CHECKING:
-    from lightning_datastates.snapshot.job import SnapshotJob
+#: How often idle threads look whether they should end (engine closed, or interpreter exiting): the copier and the
+#: writers wait on their queue at most this long at a time (:mod:`~lightning_datastates.snapshot.threads`).
+POLL_S = 0.1
 
 
 @dataclass(frozen=True, eq=False)
@@ -41,7 +41,7 @@ class WriteChunk:
 @dataclass(frozen=True, eq=False)
 class WriteThroughChunk:
     """Write ``chunk`` of ``job`` straight from the training tensors, unless a barrier came first (then the copier
-    copies it into the arena); see :mod:`~lightning_datastates.write.through`."""
+    copies it into the arena); see :mod:`~lightning_datastates.records.through`."""
 
     job: SnapshotJob
     chunk: Chunk

@@ -20,8 +20,8 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
-from lightning_datastates.capture.layout import ChecksumSlot
-from lightning_datastates.storage.base import WriteSession
+from lightning_datastates.records.layout import ChecksumSlot
+from lightning_datastates.records.session import WriteSession
 
 _POLYNOMIAL = 0xEDB88320  # CRC-32 (zip, zlib), bit-reflected
 #: Bytes checksummed and then written in one go: small enough to stay in the CPU cache in between.
@@ -115,7 +115,7 @@ def combine_pieces(pieces: list[tuple[int, int, int]]) -> int:
 class ChecksummingSession(WriteSession):
     """A write session that checksums what it writes and fills each record's CRC-32 fields (see module doc).
 
-    Call order and threads as any :class:`~lightning_datastates.storage.base.WriteSession`; ``write_range`` is
+    Call order and threads as any :class:`~lightning_datastates.records.session.WriteSession`; ``write_range`` is
     thread-safe. The CRC fields of a record are written (through the wrapped session, by the writer thread that
     completes the record) before that ``write_range`` returns, so they are written before ``complete`` runs.
     """

@@ -27,7 +27,7 @@ from __future__ import annotations
 import enum
 import threading
 
-from lightning_datastates.capture.chunks import Chunk
+from lightning_datastates.records.chunks import Chunk
 
 #: Lazy chunks that may be written through are cut at most this large: a barrier that arrives while they are being
 #: written waits for the ones in flight, so each must take only milliseconds (8 MiB reach the page cache in ~3 ms).

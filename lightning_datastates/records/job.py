@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from lightning_datastates.capture.chunks import Chunk
-from lightning_datastates.capture.layout import CheckpointLayout
-from lightning_datastates.storage.base import WriteSession
-from lightning_datastates.write.through import WriteThrough
+from lightning_datastates.records.chunks import Chunk
+from lightning_datastates.records.layout import CheckpointLayout
+from lightning_datastates.records.session import WriteSession
+from lightning_datastates.records.through import WriteThrough
 
 
 class JobState(enum.Enum):

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from lightning_datastates.alignment import align_up
-from lightning_datastates.capture.layout import StorageRecord
+from lightning_datastates.records.layout import StorageRecord
 
 #: Pieces packed into one block start on this boundary (cheap memcpy, and matches torch's record alignment).
 PIECE_ALIGNMENT_BYTES = 64

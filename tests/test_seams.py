@@ -1,0 +1,233 @@
+"""Where single-file and sharded bookkeeping meet a crash, a removal or a resume: one test per fault found there.
+
+- ``fit(ckpt_path="last")`` after a kill during the first ``last.ckpt`` flush of a sharded run (a torn local
+  directory without ``meta.pt``) resumes from the newest whole checkpoint, or starts from scratch;
+- a removal of a sharded checkpoint killed at any step leaves a whole checkpoint or a marked directory that the
+  cleanup removes, never a directory Lightning takes for a checkpoint that DCP cannot read; a failed removal raises;
+- a failure of the sharded committer outside its handled parts (a collective) is that save's failure: the removal
+  held back for it is dropped, the error reaches training once, later saves fail at once;
+- one cleanup per directory and run, whichever front door asks first.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+import lightning_datastates.plugin as plugin_module
+from lightning_datastates import DataStatesIO
+from lightning_datastates.errors import CheckpointFlushError
+from lightning_datastates.records.names import DCP_METADATA_NAME, LIGHTNING_META_NAME, PENDING_SUFFIX, REMOVING_SUFFIX
+from lightning_datastates.sharded.leftovers import clean_leftovers
+from lightning_datastates.storage import LocalWriter
+from lightning_datastates.storage.leftovers import host_tag
+from tests.conftest import dead_pid
+from tests.s3_server import s3_endpoint_fixture, s3_fixture  # noqa: F401 - fixtures
+from tests.test_sharded_parts import _one_process_fit, _ShardedBNModel
+
+
+def _sharded_checkpoint(directory, step: int = 3) -> dict[str, torch.Tensor]:
+    """A whole sharded checkpoint in ``directory`` (DCP's files of one process, Lightning's ``meta.pt``); its state."""
+    state = {"w": torch.arange(64, dtype=torch.float32).reshape(8, 8) + step, "b": torch.full((8,), float(step))}
+    dcp.save({"state_dict": state}, checkpoint_id=str(directory), no_dist=True)
+    torch.save({"global_step": step, "epoch": 0}, directory / LIGHTNING_META_NAME)
+    return state
+
+
+def _loads_whole(directory, expected: dict[str, torch.Tensor]) -> bool:
+    target = {key: torch.zeros_like(value) for key, value in expected.items()}
+    dcp.load({"state_dict": target}, checkpoint_id=str(directory), no_dist=True)
+    return all(torch.equal(target[key], expected[key]) for key in expected)
+
+
+# ---------------------------------------------------------------------------------------------- ckpt_path="last"
+class _ResumedFrom(L.Callback):
+    def on_train_start(self, trainer, pl_module):
+        self.ckpt_path, self.global_step = trainer.ckpt_path, trainer.global_step
+
+
+@pytest.mark.parametrize("whole_top_k", [True, False], ids=["a-whole-top-k", "nothing-whole"])
+def test_resume_after_a_kill_during_the_first_last_ckpt_flush_takes_the_newest_whole_checkpoint(
+    tmp_path, monkeypatch, whole_top_k
+):
+    """A sharded ``last.ckpt/`` whose first save was killed in flight holds shard files and the dead run's marker, no
+    ``meta.pt``. Lightning alone picks it for ``ckpt_path="last"`` (it exists, locally, with a modification time);
+    it must resume from the newest whole checkpoint instead, or start from scratch where none is whole."""
+    directory = tmp_path / "ckpt"
+    checkpoint = ModelCheckpoint(dirpath=str(directory), every_n_train_steps=2, save_top_k=-1, save_last=True)
+    _one_process_fit(tmp_path, monkeypatch, DataStatesIO(), checkpoint, model=_ShardedBNModel)
+    last = directory / "last.ckpt"
+    # As a kill during its first flush leaves it: the dead run's marker, a shard file, no .metadata or meta.pt.
+    for name in (LIGHTNING_META_NAME, DCP_METADATA_NAME):
+        (last / name).unlink()
+    (last / f".commit.{host_tag()}.{dead_pid()}.deadbeef{PENDING_SUFFIX}").write_bytes(b"")
+    os.utime(last, None)  # the newest entry of the directory, as the save in flight was
+    if not whole_top_k:
+        for name in os.listdir(directory):
+            if name != "last.ckpt":
+                LocalWriter().remove(str(directory / name))
+    resumed = _ResumedFrom()
+    checkpoint = ModelCheckpoint(dirpath=str(directory), every_n_train_steps=2, save_top_k=-1, save_last=True)
+    _one_process_fit(
+        tmp_path, monkeypatch, DataStatesIO(), checkpoint, model=_ShardedBNModel, ckpt_path="last", callbacks=[resumed]
+    )
+    if whole_top_k:
+        assert resumed.ckpt_path == str(directory / "epoch=0-step=4.ckpt") and resumed.global_step == 4
+    else:
+        assert resumed.ckpt_path is None and resumed.global_step == 0  # from scratch, as with no last checkpoint
+    assert (last / LIGHTNING_META_NAME).exists()  # the new run's last.ckpt, whole
+
+
+# ---------------------------------------------------------------------------------------------- removals
+_REMOVE_AND_DIE = textwrap.dedent(
+    """
+    import os, signal, sys
+    from lightning_datastates import DataStatesIO
+    directory, kill_after = sys.argv[1], int(sys.argv[2])
+    real_unlink, count = os.unlink, [0]
+
+    def unlink(path, *args, **kwargs):  # the fault: this process dies right after its n-th file removal
+        real_unlink(path, *args, **kwargs)
+        count[0] += 1
+        if count[0] == kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    os.unlink = unlink
+    DataStatesIO().remove_checkpoint(directory)
+    """
+)
+
+
+@pytest.mark.parametrize("kill_after", [1, 2, 3, 4])
+def test_a_removal_killed_after_any_file_leaves_no_torn_checkpoint_and_the_cleanup_finishes_it(tmp_path, kill_after):
+    """A process removing a sharded checkpoint is SIGKILLed right after its n-th file removal. What it leaves must
+    never be a directory Lightning takes for a checkpoint (``meta.pt``) that DCP cannot read, and the next run's
+    cleanup (the same as ``python -m lightning_datastates clean``) must finish the removal."""
+    directory = tmp_path / "epoch=0-step=3.ckpt"
+    expected = _sharded_checkpoint(directory)
+    (directory / "__1_0.distcp").write_bytes(os.urandom(4096))  # a second rank's file: more steps to stop between
+    process = subprocess.run([sys.executable, "-c", _REMOVE_AND_DIE, str(directory), str(kill_after)], check=False)
+    assert process.returncode == -signal.SIGKILL
+    left = sorted(os.listdir(directory))
+    if LIGHTNING_META_NAME in left:
+        assert _loads_whole(directory, expected), f"a checkpoint to Lightning that DCP cannot read: {left}"
+    removed = clean_leftovers(LocalWriter(), str(tmp_path), max_age_s=3600)
+    assert not directory.exists(), f"the cleanup left {left} (removed {removed})"
+
+
+def test_a_local_removal_that_fails_raises_and_leaves_the_directory_marked(tmp_path, monkeypatch):
+    """A file that cannot be removed fails the removal, naming it (it used to be ignored), and what is left is no
+    checkpoint: ``meta.pt`` went first, and the directory is marked for the cleanup."""
+    directory = tmp_path / "epoch=0-step=3.ckpt"
+    _sharded_checkpoint(directory)
+    real_unlink = os.unlink
+
+    def refuse_shards(path, *args, **kwargs):
+        if str(path).endswith(".distcp"):
+            raise PermissionError(13, "Permission denied (injected)", str(path))
+        real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", refuse_shards)
+    with pytest.raises(PermissionError, match="distcp"):
+        DataStatesIO().remove_checkpoint(str(directory))
+    left = os.listdir(directory)
+    assert LIGHTNING_META_NAME not in left
+    assert any(name.endswith(REMOVING_SUFFIX) for name in left)
+
+
+def test_a_removal_on_s3_deletes_meta_pt_alone_first_and_a_stop_after_it_leaves_a_marked_non_checkpoint(
+    s3, monkeypatch
+):
+    """On S3 a batch delete has no order: ``meta.pt`` must go in a request of its own, after the marker and before
+    the rest. A storage error right after it leaves the prefix marked and without ``meta.pt``."""
+    from lightning_datastates.records.names import holds_checkpoint
+    from lightning_datastates.storage.s3 import S3WriteError, deletes
+
+    for name in (DCP_METADATA_NAME, LIGHTNING_META_NAME, "__0_0.distcp", "__1_0.distcp"):
+        s3.put(f"run/epoch=0-step=3.ckpt/{name}", b"x")
+    requests: list[list[str]] = []
+    real = deletes.delete_files
+
+    def delete_files(client, directory, names, support):
+        requests.append(sorted(names))
+        if len(requests) == 2:
+            raise S3WriteError("injected: the second delete request fails")
+        return real(client, directory, names, support)
+
+    monkeypatch.setattr(deletes, "delete_files", delete_files)
+    plugin = DataStatesIO(storage_options=s3.storage_options)
+    with pytest.raises(S3WriteError, match="injected"):
+        plugin.remove_checkpoint(s3.url("run/epoch=0-step=3.ckpt"))
+    assert requests[0] == [LIGHTNING_META_NAME]
+    left = {key.rsplit("/", 1)[-1] for key in s3.keys("run/epoch=0-step=3.ckpt/")}
+    assert LIGHTNING_META_NAME not in left and not holds_checkpoint(left)
+    assert any(name.endswith(REMOVING_SUFFIX) for name in left)
+
+
+# ---------------------------------------------------------------------------------------------- committer failures
+def test_a_collective_that_fails_in_the_committer_fails_its_save_and_keeps_the_checkpoint_before_it(
+    tmp_path, monkeypatch
+):
+    """The committer's verdict broadcast fails at the 3rd save (as a peer that died or timed out would make it). That
+    save is not committed: ModelCheckpoint's removal of the 2nd checkpoint, held back behind it, must be dropped,
+    training must get one CheckpointFlushError naming the rank and the collective, and later saves fail at once
+    instead of waiting for a group that cannot be trusted."""
+    real_broadcast = dist.broadcast_object_list
+    calls = {"committer": 0}
+
+    def broadcast(object_list, *args, **kwargs):
+        # The committer's verdict: one text or None (DCP's planning broadcasts its plans on the same thread).
+        verdict = len(object_list) == 1 and (object_list[0] is None or isinstance(object_list[0], str))
+        if threading.current_thread().name == "datastates-sharded-commit" and verdict:
+            calls["committer"] += 1
+            if calls["committer"] >= 3:
+                raise RuntimeError("Connection closed by peer (injected)")
+        return real_broadcast(object_list, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "broadcast_object_list", broadcast)
+    directory = tmp_path / "ckpt"
+    checkpoint = ModelCheckpoint(
+        dirpath=str(directory), every_n_train_steps=1, save_top_k=1, monitor="step", mode="max", save_last=False
+    )
+    with pytest.raises(CheckpointFlushError, match="rank 0 failed sharing rank 0's verdict") as raised:
+        _one_process_fit(tmp_path, monkeypatch, DataStatesIO(), checkpoint, model=_StepLogging)
+    assert "Connection closed by peer" in str(raised.value)
+    assert calls["committer"] == 3  # the 4th save failed at once, without a collective
+    kept = directory / "epoch=0-step=2.ckpt"
+    assert (kept / LIGHTNING_META_NAME).exists(), sorted(os.listdir(directory))
+    assert torch.load(kept / LIGHTNING_META_NAME, weights_only=False)["global_step"] == 2
+
+
+class _StepLogging(_ShardedBNModel):
+    def training_step(self, batch, batch_idx):
+        self.log("step", float(self.global_step + 1))
+        return super().training_step(batch, batch_idx)
+
+
+# ---------------------------------------------------------------------------------------------- one cleanup per run
+def test_a_sharded_fit_cleans_its_checkpoint_directory_once(tmp_path, monkeypatch):
+    """The callback's setup and the first sharded save both want the directory clean: one scan (on S3, one LIST per
+    subdirectory) is enough."""
+    cleaned: list[str] = []
+    real = plugin_module.clean_leftovers
+
+    def counting(writer, directory, max_age_s):
+        cleaned.append(directory)
+        return real(writer, directory, max_age_s)
+
+    monkeypatch.setattr(plugin_module, "clean_leftovers", counting)
+    directory = tmp_path / "ckpt"
+    checkpoint = ModelCheckpoint(dirpath=str(directory), every_n_train_steps=2, save_top_k=-1, save_last=True)
+    _one_process_fit(tmp_path, monkeypatch, DataStatesIO(), checkpoint, model=_ShardedBNModel)
+    assert cleaned == [str(directory)]
