@@ -31,7 +31,7 @@ from lightning_datastates.compat.lightning import override_file_exists, restore_
 from lightning_datastates.compat.torch import local_shard, persistent_buffers, storage_identity
 from lightning_datastates.copy.pinning import cuda_device_of
 from lightning_datastates.metrics import CheckpointMetrics
-from lightning_datastates.plugin import DataStatesIO
+from lightning_datastates.plugin import DataStatesIO, pipeline_of
 from lightning_datastates.progress import drain_with_progress
 from lightning_datastates.sharded.lightning import saves_with_dcp
 from lightning_datastates.snapshot.engine import LazyPredicate
@@ -44,7 +44,8 @@ class DataStatesCallback(Callback):
     """Barriers, failure reporting and draining for :class:`~lightning_datastates.DataStatesIO`.
 
     Users need not pass it: it is registered through an entry point. Passing it explicitly is harmless. It is the
-    plugin's :class:`~lightning_datastates.plugin.PluginOwner`.
+    plugin's :class:`~lightning_datastates.pipeline.PluginOwner`, and drives it through the plugin's pipeline
+    (:func:`~lightning_datastates.plugin.pipeline_of`).
     """
 
     def __init__(self) -> None:
@@ -61,11 +62,14 @@ class DataStatesCallback(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Find the plugin; take charge of it unless another instance did; prepare ModelCheckpoint callbacks."""
         plugin = find_plugin(trainer)
-        if plugin is None or not plugin.attach(self):
+        if plugin is None:
+            return
+        pipeline = pipeline_of(plugin)
+        if not pipeline.attach(self):
             return
         self._plugin, self._trainer = plugin, trainer
         if saves_with_dcp(trainer.strategy):
-            plugin.enable_sharded(trainer.strategy)  # sharded FSDP and ModelParallel save through DCP: take them over
+            pipeline.enable_sharded(trainer.strategy)  # sharded FSDP and ModelParallel save through DCP: take them over
         warn_if_bypassed(trainer.strategy)  # DeepSpeed: its saves never reach the plugin
         self._metrics.start(plugin)
         # Run our hooks first, so the barrier precedes other callbacks' mutations (SWA at epoch start, ...).
@@ -77,7 +81,7 @@ class DataStatesCallback(Callback):
             if isinstance(checkpoint_callback, ModelCheckpoint):
                 self._patch_file_exists(checkpoint_callback, plugin)
                 if trainer.is_global_zero and checkpoint_callback.dirpath:
-                    plugin.clean_stale(str(checkpoint_callback.dirpath))
+                    pipeline.clean_stale(str(checkpoint_callback.dirpath))
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Undo :meth:`setup` (the plugin's own teardown drains the writes)."""
@@ -90,9 +94,10 @@ class DataStatesCallback(Callback):
             restore_file_exists(checkpoint_callback)
         self._patched = []
         self._armed = False
+        pipeline = pipeline_of(self._plugin)
         if self._trainer is not None:
-            self._plugin.disable_sharded(self._trainer.strategy)
-        self._plugin.detach(self)
+            pipeline.disable_sharded(self._trainer.strategy)
+        pipeline.detach(self)
         self._plugin, self._trainer = None, None
 
     @property
@@ -137,7 +142,7 @@ class DataStatesCallback(Callback):
         except Exception as exc:  # noqa: BLE001 - only an early start: the first save makes the arena instead
             log.debug("lightning_datastates: no host arena made before the first save: %r", exc)
             return
-        plugin.prepare_arena(request, cuda_device)
+        pipeline_of(plugin).prepare_arena(request, cuda_device)
 
     def _prepare_planning(self, trainer: Trainer) -> None:
         """Once per fit, after the first optimizer step (the optimizers' state exists): have the plugin compare its
@@ -147,12 +152,13 @@ class DataStatesCallback(Callback):
         if plugin is None or self._planning_prepared:
             return
         self._planning_prepared = True
-        if plugin.saves_sharded or not self._saves_own_state(trainer, plugin) or trainer.lightning_module is None:
+        pipeline = pipeline_of(plugin)
+        if pipeline.saves_sharded or not self._saves_own_state(trainer, plugin) or trainer.lightning_module is None:
             return
         sample: dict[str, Any] = {"state_dict": trainer.lightning_module.state_dict()}
         if not _weights_only(trainer):
             sample["optimizer_states"] = [optimizer.state_dict() for optimizer in trainer.optimizers]
-        plugin.prepare_planning(sample)
+        pipeline.prepare_planning(sample)
 
     @staticmethod
     def _saves_own_state(trainer: Trainer, plugin: DataStatesIO) -> bool:
@@ -161,7 +167,7 @@ class DataStatesCallback(Callback):
         if bypass_reason(strategy) is not None or not trainer.checkpoint_callbacks:
             return False  # no save of this fit reaches the plugin (a manual save prepares itself, as before)
         # Otherwise this rank saves nothing, or saves state gathered from every rank: its own does not tell.
-        return plugin.saves_sharded or (trainer.is_global_zero and not gathers_full_state(strategy))
+        return pipeline_of(plugin).saves_sharded or (trainer.is_global_zero and not gathers_full_state(strategy))
 
     # ------------------------------------------------------------------ barriers
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -223,7 +229,7 @@ class DataStatesCallback(Callback):
         plugin.drain()
         while True:
             try:
-                plugin.raise_pending_failure()
+                pipeline_of(plugin).raise_pending_failure()
                 break
             except Exception as failure:  # noqa: BLE001 - reported as a note, never swallowed
                 log.error("lightning_datastates: %s", failure)
@@ -234,12 +240,12 @@ class DataStatesCallback(Callback):
     # ------------------------------------------------------------------ helpers
     def _barrier(self) -> None:
         if self._plugin is not None:
-            self._plugin.barrier()
+            pipeline_of(self._plugin).barrier()
         self._check()
 
     def _check(self) -> None:
         if self._plugin is not None:
-            self._plugin.raise_pending_failure()
+            pipeline_of(self._plugin).raise_pending_failure()
             if self._trainer is not None:
                 self._metrics.observe(self._trainer, self._plugin)
 
@@ -250,7 +256,7 @@ class DataStatesCallback(Callback):
         flight must count, and one whose removal waits for newer checkpoints to land must not, or names would
         differ from a synchronous run.
         """
-        override_file_exists(checkpoint_callback, plugin.counts_as_existing)
+        override_file_exists(checkpoint_callback, pipeline_of(plugin).counts_as_existing)
         self._patched.append(checkpoint_callback)
 
 

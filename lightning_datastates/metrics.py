@@ -28,17 +28,14 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from lightning.pytorch import Trainer
 from torchmetrics import MaxMetric, MeanMetric, Metric, SumMetric
 
 from lightning_datastates.compat.lightning import logging_step
+from lightning_datastates.plugin import DataStatesIO, pipeline_of
 from lightning_datastates.records.job import JobState, SnapshotStats
-
-if TYPE_CHECKING:
-    from lightning_datastates.plugin import DataStatesIO
 
 #: Every metric key starts with this.
 PREFIX = "datastates/"
@@ -112,7 +109,7 @@ class CheckpointMetrics:
         self._watched.extend(_Watched(stats) for stats in reversed(new))
         if not self._watched:
             return
-        occupancy = plugin.arena_occupancy()
+        occupancy = pipeline_of(plugin).arena_occupancy()
         finished: list[_Watched] = []
         for watched in self._watched:
             if occupancy is not None:

@@ -1,23 +1,22 @@
 """``DataStatesIO``: Lightning's ``CheckpointIO`` with lazy, asynchronous snapshots.
 
-The plugin knows Lightning's checkpoint interface, not streams or bytes: it hands each checkpoint to the
+The plugin knows Lightning's checkpoint interface, not streams or bytes: it shows ``CheckpointIO``'s methods and the
+user's ``config``, ``stats`` and ``drain()``, and hands the rest to its
+:class:`~lightning_datastates.pipeline.CheckpointPipeline`, which hands each checkpoint to the
 :class:`~lightning_datastates.snapshot.engine.SnapshotEngine`, orders loads and removals after pending
 writes, and turns background failures into :class:`~lightning_datastates.errors.CheckpointFlushError`.
-Its companion :class:`~lightning_datastates.callback.DataStatesCallback` supplies the barriers.
+Its companion :class:`~lightning_datastates.callback.DataStatesCallback` supplies the barriers, reaching the pipeline
+through :func:`pipeline_of`.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import time
-from typing import IO, TYPE_CHECKING, Any, Protocol, cast
+from typing import Any
 
-import torch
 from lightning.pytorch.plugins.io import CheckpointIO
 
 from lightning_datastates.compat.last_checkpoint import resolve_last_checkpoint
-from lightning_datastates.compat.lightning import CheckpointPath, checkpoint_path_str, unwrap_checkpoint_io
+from lightning_datastates.compat.lightning import CheckpointPath, unwrap_checkpoint_io
 from lightning_datastates.config import (
     DEFAULT_STALE_AGE_S,
     USER_SETTINGS,
@@ -27,35 +26,8 @@ from lightning_datastates.config import (
     FlushErrorPolicy,
     Size,
 )
-from lightning_datastates.errors import CheckpointFlushError
-from lightning_datastates.interrupts import sigint_deferred
-from lightning_datastates.load.reader import load_checkpoint
+from lightning_datastates.pipeline import CheckpointPipeline
 from lightning_datastates.records.job import SnapshotStats
-from lightning_datastates.sharded.leftovers import clean_leftovers
-from lightning_datastates.snapshot.engine import LazyPredicate, SnapshotEngine
-from lightning_datastates.snapshot.pending import flush_error
-from lightning_datastates.storage import StorageWriter, writer_for, writer_kind
-from lightning_datastates.storage.removal import remove_checkpoint
-
-if TYPE_CHECKING:
-    from lightning_datastates.sharded.saver import ShardedSaver
-
-log = logging.getLogger("lightning_datastates")
-
-
-class PluginOwner(Protocol):
-    """What the plugin asks of the callback that drives its barriers (``DataStatesCallback``).
-
-    The callback implements this and imports the plugin; the plugin knows only this interface. Both members are
-    read on the training thread, inside ``save_checkpoint``.
-    """
-
-    @property
-    def in_training_loop(self) -> bool:
-        """Whether fit's training loop runs, so that a barrier and the final drain are sure to follow a save."""
-
-    def lazy_predicate(self) -> LazyPredicate | None:
-        """Which storages may be copied after ``save_checkpoint`` returns; None when all must be copied in it."""
 
 
 def on_cpu(storage: Any, location: str) -> Any:
@@ -142,13 +114,8 @@ class DataStatesIO(CheckpointIO):
         # name, so that the settings are spelled in two places only, this signature and the config's fields.
         settings = {name: value for name, value in locals().items() if name in USER_SETTINGS}
         super().__init__()
-        self.config = DataStatesConfig(**settings)
-        self._engine: SnapshotEngine | None = None
-        self._owner: PluginOwner | None = None
-        self._cleaned_directories: set[str] = set()
-        # One storage writer per protocol ("" for local paths), built on first use; on the training thread only.
-        self._writers: dict[str, StorageWriter] = {}
-        self._sharded: ShardedSaver | None = None  # set while a sharded strategy's saves go through the plugin
+        # The settings, the engine, the storage writers, the owner, the sharded saver: all of it (pipeline.py).
+        self._pipeline = self._new_pipeline(DataStatesConfig(**settings))
         # Lightning resolves fit(ckpt_path="last") before any hook of ours runs, cannot at a URL, and takes a sharded
         # directory a dead save left torn: fixed for the Trainers that use a DataStatesIO (compat/last_checkpoint.py).
         resolve_last_checkpoint(_checkpoints_through_the_plugin)
@@ -168,29 +135,7 @@ class DataStatesIO(CheckpointIO):
                 "DataStatesIO does not take storage_options per save: drop `storage_options` from "
                 "`Trainer.save_checkpoint(...)` and pass them once as `DataStatesIO(storage_options=...)`"
             )
-        started = time.perf_counter()
-        self.raise_pending_failure()
-        path = checkpoint_path_str(path)
-        writer = self.writer_for(path)
-        directory = os.path.dirname(path) or "."
-        lazy, awaits_commit = self.lazy_for_save()
-        try:
-            self.clean_stale(directory)
-            self.engine.pending.before_save(path)  # a removal of this path held back must not delete the new file
-            with sigint_deferred():  # Ctrl+C must not split a capture (see interrupts.py)
-                stats = self.engine.capture(checkpoint, path, writer, lazy, awaits_commit=awaits_commit)
-        except OSError as exc:
-            raise CheckpointFlushError(f"cannot write checkpoint {path}: {exc}", path) from exc
-        if awaits_commit:
-            # Outside fit's training loop no later hook drains or reports: behave like TorchCheckpointIO and
-            # return once the file is committed (`trainer.save_checkpoint(p)` then `torch.load(p)` must work).
-            try:
-                self.engine.wait_path(path)
-            finally:
-                # Whatever ended the wait (even an interrupt), the state must not be read once this call returns.
-                self.engine.wait_copies(attribute=False)
-            self.raise_pending_failure(path)
-        stats.save_call_s = time.perf_counter() - started
+        self._pipeline.save_checkpoint(checkpoint, path)
 
     def load_checkpoint(
         self, path: CheckpointPath, map_location: Any | None = on_cpu, weights_only: bool | None = None
@@ -206,35 +151,7 @@ class DataStatesIO(CheckpointIO):
             CheckpointCorruptError: ``path`` fails its integrity check (with ``verify_checksums``).
             FileNotFoundError: no checkpoint at ``path``.
         """
-        path = checkpoint_path_str(path)
-        if self._engine is not None:
-            # A symbolic link (save_last="link") is read through to its target: a pending save of that file counts.
-            for name in dict.fromkeys((path, path if "://" in path else os.path.realpath(path))):
-                self._engine.wait_path(name)
-                self.raise_pending_failure(name)
-            resident = self._engine.open_resident(path)
-            if resident is not None:
-                # Served from the host arena: torch reads each storage with readinto, one copy into the new tensors.
-                # No CRC check: these are the very bytes the CRC-32s were computed from while writing the file.
-                with resident:
-                    return torch.load(cast(IO[bytes], resident), map_location=map_location, weights_only=weights_only)
-        return load_checkpoint(
-            self.writer_for(path),
-            path,
-            map_location=map_location,
-            weights_only=weights_only,
-            verify_checksums=self.config.verify_checksums,
-        )
-
-    def lazy_for_save(self) -> tuple[LazyPredicate | None, bool]:
-        """For a save now: which storages may be copied after the save call (the engine's ``lazy``), and whether the
-        call must wait for the commit (``awaits_commit``: outside fit's training loop, where no barrier follows)."""
-        owner = self._owner
-        if owner is None or not owner.in_training_loop:
-            # The call returns only once the file is committed, so nothing changes the state before then: everything
-            # may be copied (or written straight from host memory) after the capture.
-            return _every_storage, True
-        return owner.lazy_predicate(), False
+        return self._pipeline.load_checkpoint(path, map_location, weights_only)
 
     def remove_checkpoint(self, path: CheckpointPath) -> None:
         """Drop a pending write of ``path`` (or let a commit in progress end), then delete the file, or the sharded
@@ -247,19 +164,7 @@ class DataStatesIO(CheckpointIO):
         Raises:
             OSError: the removal ran at once (nothing pending) and failed; one carried out later is logged instead.
         """
-        path = checkpoint_path_str(path)
-        writer = self.writer_for(path)
-        if self._engine is None:
-            remove_checkpoint(writer, path)
-            return
-        self._engine.remove_after_pending(path, lambda: remove_checkpoint(writer, path))
-
-    def counts_as_existing(self, path: CheckpointPath, exists: bool) -> bool:
-        """Whether ModelCheckpoint should see ``path`` as existing, as after a synchronous save or removal."""
-        path = checkpoint_path_str(path)
-        if self._engine is None:
-            return exists
-        return (exists or self._engine.is_pending(path)) and not self._engine.is_removal_deferred(path)
+        self._pipeline.remove_checkpoint(path)
 
     def teardown(self) -> None:
         """Finish every pending write and stop the threads (they restart if the plugin is used again).
@@ -267,152 +172,55 @@ class DataStatesIO(CheckpointIO):
         Failures found here are not raised (Lightning's own teardown must go on); they are logged and raised by
         the next call of this plugin or its callback.
         """
-        if self._engine is None:
-            return
-        self._engine.close()  # drains every pending save, sharded commits included
-        for failed in self._engine.unreported_failures():
-            log.error(
-                "lightning_datastates: %s (raised as CheckpointFlushError by the next call of the plugin); earlier "
-                "checkpoints are intact",
-                flush_error(failed),
-            )
+        self._pipeline.teardown()
 
-    # ------------------------------------------------------------------ used by the callback and the demo
+    # ------------------------------------------------------------------ the user's
     @property
-    def engine(self) -> SnapshotEngine:
-        """The snapshot engine, created on first use (it is not pickled into spawned workers)."""
-        if self._engine is None:
-            self._engine = SnapshotEngine(self.config)
-        return self._engine
+    def config(self) -> DataStatesConfig:
+        """The settings, as given to the constructor (kept by the pipeline, which uses them)."""
+        return self._pipeline.config
+
+    @config.setter
+    def config(self, config: DataStatesConfig) -> None:
+        # Before the first save (the engine reads them once, when it is made), as tests and scripts do.
+        self._pipeline.config = config
 
     @property
     def stats(self) -> list[SnapshotStats]:
         """What recent checkpoints cost (most recent last)."""
-        return [] if self._engine is None else list(self._engine.history)
-
-    def prepare_arena(self, request_bytes: int, cuda_device: int | None = None) -> None:
-        """Make the host arena before the first save, sized for checkpoints asking about ``request_bytes``, and
-        page-locked in the background for copies from ``cuda_device`` (None: state on the CPU, not page-locked; see
-        :meth:`SnapshotEngine.prepare_arena <lightning_datastates.snapshot.engine.SnapshotEngine.prepare_arena>`).
-        Training thread, on a rank that saves through this plugin."""
-        # A rank's shard files are read by DCP from storage, never from the arena: their blocks are freed once written.
-        self.engine.prepare_arena(request_bytes, serve_loads=not self.saves_sharded, cuda_device=cuda_device)
-
-    def prepare_planning(self, sample: Any) -> None:
-        """Have the layout planner compare its fast path with ``torch.save`` on ``sample`` (the training state) before
-        the first save, not during it (see :meth:`SnapshotEngine.prepare_planning
-        <lightning_datastates.snapshot.engine.SnapshotEngine.prepare_planning>`). Training thread, on a rank that
-        saves single files through this plugin."""
-        self.engine.prepare_planning(sample)
-
-    @property
-    def saves_sharded(self) -> bool:
-        """Whether every rank saves its own shards through this plugin now (sharded FSDP, ModelParallel)."""
-        return self._sharded is not None
-
-    def barrier(self) -> float:
-        """Wait until no pending snapshot reads training state; return the seconds waited."""
-        return 0.0 if self._engine is None else self._engine.wait_copies()
+        return self._pipeline.stats
 
     def drain(self) -> None:
         """Wait until every pending checkpoint is committed or failed (sharded ones included)."""
-        if self._engine is not None:
-            self._engine.drain()
+        self._pipeline.drain()
 
-    def is_pending(self, path: CheckpointPath) -> bool:
-        """Whether ``path`` has a checkpoint that is saved but not yet on storage (a sharded one: not yet committed)."""
-        return self._engine is not None and self._engine.is_pending(checkpoint_path_str(path))
+    # ------------------------------------------------------------------ pipeline (subclasses), pickling
+    def _new_pipeline(self, config: DataStatesConfig) -> CheckpointPipeline:
+        """A new pipeline with settings ``config``: in ``__init__`` (before a subclass's own ``__init__`` goes on)
+        and in an unpickled copy. A subclass may return a subclass of
+        :class:`~lightning_datastates.pipeline.CheckpointPipeline` (the benchmark times its barrier this way)."""
+        return CheckpointPipeline(config)
 
-    def raise_pending_failure(self, path: str | None = None) -> None:
-        """Raise the oldest unreported background failure (of ``path`` if given) as ``CheckpointFlushError``.
-
-        With ``on_flush_error="warn"`` the failures found by the hooks (no ``path``) are logged instead, once each.
-        """
-        if self._engine is None:
-            return
-        if path is None and self.config.on_flush_error == "warn":
-            self._engine.warn_failures()
-            return
-        failed = self._engine.pop_failure(path)
-        if failed is not None:
-            error = flush_error(failed)
-            raise error from error.__cause__
-
-    def clean_stale(self, directory: str) -> list[str]:
-        """Remove what crashed runs left in ``directory`` (temporary files, open uploads, sharded saves that died,
-        removals that died half-way): once per directory and run, whoever asks first (the callback's setup, a save)."""
-        directory = directory.rstrip("/") or "/"
-        if directory in self._cleaned_directories:
-            return []
-        self._cleaned_directories.add(directory)
-        removed = clean_leftovers(self.writer_for(directory), directory, self.config.stale_after_s)
-        if removed:
-            log.info("lightning_datastates: removed %d stale temporary file(s) in %s", len(removed), directory)
-        return removed
-
-    def arena_occupancy(self) -> float | None:
-        """The fraction of the host arena that pending checkpoints hold; None before the first checkpoint sized it.
-
-        Checkpoints kept for loading from memory (``serve_from_memory``) do not count: any new copy evicts them.
-        """
-        engine = self._engine
-        if engine is None or engine.arena is None or engine.arena.size_bytes == 0:
-            return None
-        return engine.held_arena_bytes() / engine.arena.size_bytes
-
-    def enable_sharded(self, strategy: Any) -> None:
-        """Take over ``strategy``'s sharded saves (FSDP, ModelParallel through DCP): training thread of every rank,
-        at setup, after the process group is up (it makes a gloo group for the commits: a collective)."""
-        import torch.distributed as dist
-
-        from lightning_datastates.sharded.commit import DEFAULT_EXCHANGE_TIMEOUT
-        from lightning_datastates.sharded.lightning import install
-        from lightning_datastates.sharded.saver import ShardedSaver
-
-        group = dist.new_group(backend="gloo", timeout=DEFAULT_EXCHANGE_TIMEOUT)
-        self._sharded = ShardedSaver(self, dist.get_rank(), group, self.config.storage_alignment)
-        install(strategy, self._sharded, self.drain, self.writer_for, self.config.storage_options)
-
-    def disable_sharded(self, strategy: Any) -> None:
-        """Undo :meth:`enable_sharded` once every pending sharded checkpoint is committed."""
-        if self._sharded is None:
-            return
-        from lightning_datastates.sharded.lightning import uninstall
-
-        self.drain()
-        uninstall(strategy)
-        self._sharded = None
-
-    def attach(self, owner: PluginOwner) -> bool:
-        """Let ``owner`` drive this plugin's barriers; False if another callback already does."""
-        if self._owner is not None and self._owner is not owner:
-            return False
-        self._owner = owner
-        return True
-
-    def detach(self, owner: PluginOwner) -> None:
-        """Undo :meth:`attach`."""
-        if self._owner is owner:
-            self._owner = None
-
-    def writer_for(self, path: str) -> StorageWriter:
-        """The storage writer for ``path``'s protocol, built once per protocol and kept (on the training thread)."""
-        kind = writer_kind(path)
-        writer = self._writers.get(kind)
-        if writer is None:
-            writer = writer_for(path, self.config.storage_options, direct_io=self.config.direct_io)
-            self._writers[kind] = writer
-        return writer
-
-    # ------------------------------------------------------------------ pickling (ddp_spawn, LightningCLI)
+    # ddp_spawn, LightningCLI: the settings go along; the engine, its threads, the writers and the owner stay behind,
+    # and the copy gets a new pipeline.
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_engine=None, _owner=None, _cleaned_directories=set(), _writers={}, _sharded=None)
+        del state["_pipeline"]
+        state["config"] = self.config
         return state
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        config = state.pop("config")
+        self.__dict__.update(state)
+        self._pipeline = self._new_pipeline(config)
 
-def _every_storage(storage: Any) -> bool:
-    return True
+
+def pipeline_of(plugin: DataStatesIO) -> CheckpointPipeline:
+    """The wiring behind ``plugin`` (its engine, writers, barriers, sharded saves): how the callback, the metrics, the
+    demo, the benchmark and the tests reach what ``DataStatesIO`` does not show. Any thread; the pipeline's methods
+    name theirs."""
+    return plugin._pipeline
 
 
 def _checkpoints_through_the_plugin(trainer: Any) -> bool:

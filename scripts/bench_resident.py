@@ -23,6 +23,7 @@ import torch
 from bench_common import evict_from_page_cache, parse_args, random_checkpoint
 
 from lightning_datastates import DataStatesIO
+from lightning_datastates.plugin import pipeline_of
 
 
 def _timed(load: Callable[[], Any], path: str | None = None, cold: bool = False) -> float:
@@ -57,7 +58,7 @@ def main() -> None:
     }
     for load in methods.values():
         _timed(load)  # warm: page cache filled, first-call costs paid
-    counters = resident.engine.resident.counters  # type: ignore[union-attr]
+    counters = pipeline_of(resident).engine.resident.counters  # type: ignore[union-attr]
     hits_before = counters.hits
     times: dict[tuple[str, bool], list[float]] = {(name, cold): [] for name in methods for cold in (False, True)}
     for round_ in range(args.rounds):

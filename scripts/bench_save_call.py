@@ -131,7 +131,7 @@ def trainer_save_calls(layers: int, steps: int, width: int = 64) -> list[float]:
             enable_model_summary=False,
         )
         trainer.fit(model, DataLoader(torch.randint(0, 128, (2 * steps, 17)), batch_size=2))
-    return [stats.save_call_s for stats in plugin.engine.history]
+    return [stats.save_call_s for stats in plugin.stats]
 
 
 def main() -> None:

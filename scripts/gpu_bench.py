@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from lightning_datastates import DataStatesIO
+from lightning_datastates.plugin import pipeline_of
 
 
 class _AllLazy:
@@ -51,10 +52,11 @@ def _measure(directory: str) -> None:
     # ~1B parameters in bf16 (2 GB), split into 256 tensors like a model's layers.
     params = [torch.randn(4 * 2**20 - 1, device="cuda").to(torch.bfloat16) for _ in range(256)]
     plugin = DataStatesIO(host_cache="6GiB", chunk_size="256MiB")
-    plugin._owner = _AllLazy()  # type: ignore[assignment]
+    pipeline = pipeline_of(plugin)
+    pipeline.attach(_AllLazy())
     # As the callback does after the first optimizer step: the arena made and page-locked before the first save.
-    plugin.prepare_arena(sum(p.nbytes for p in params), torch.cuda.current_device())
-    arena = plugin.engine.arena
+    pipeline.prepare_arena(sum(p.nbytes for p in params), torch.cuda.current_device())
+    arena = pipeline.engine.arena
     # 6 GiB at the ~0.11 s per GiB measured on an H200 host: about a second.
     print(f"host arena page-locked before the first save: {arena is not None and arena.wait_pinned(15)}")
     ckpt = {"state_dict": {f"p{i}": p for i, p in enumerate(params)}}
@@ -71,7 +73,7 @@ def _measure(directory: str) -> None:
             matrix = (matrix @ matrix).clamp_(-1, 1)
             torch.cuda.synchronize()
         before_barrier = time.perf_counter()
-        plugin.barrier()
+        pipeline.barrier()
         after_barrier = time.perf_counter()
         blocked.append((returned - started) + (after_barrier - before_barrier))
         stats = plugin.stats[-1]

@@ -30,6 +30,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 import lightning_datastates.metrics
 from lightning_datastates import DataStatesIO
+from lightning_datastates.plugin import pipeline_of
 from tests.conftest import BNModel, make_loader
 from tests.script_support import (
     ReferenceRecordingIO,
@@ -66,7 +67,7 @@ class RankProbe(Callback):
         self.restored: dict[str, torch.Tensor] | None = None
 
     def _look(self) -> None:
-        self.engine_seen |= self.plugin._engine is not None
+        self.engine_seen |= pipeline_of(self.plugin)._engine is not None
         self.threads_seen.update(datastates_threads())
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
@@ -162,7 +163,7 @@ def run_ddp_spawn(out: str) -> None:
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out, "parent-weights.pt"))
     write_json(
         os.path.join(out, "parent.json"),
-        {"engine_in_parent": plugin._engine is not None, "threads_in_parent": datastates_threads()},
+        {"engine_in_parent": pipeline_of(plugin)._engine is not None, "threads_in_parent": datastates_threads()},
     )
 
 

@@ -25,6 +25,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+from lightning_datastates.plugin import pipeline_of
 from tests.conftest import BNModel, make_loader
 from tests.script_support import ReferenceRecordingIO, break_draining, slow_local_writes
 
@@ -50,7 +51,8 @@ class CountingIO(ReferenceRecordingIO):
         super().teardown()
 
     def _report_pending(self) -> None:
-        pending = 0 if self._engine is None else len(self._engine._pending.active)
+        engine = pipeline_of(self)._engine
+        pending = 0 if engine is None else len(engine._pending.active)
         print(f"draining {pending} pending", flush=True)
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-import lightning_datastates.plugin as plugin_module
+import lightning_datastates.pipeline as pipeline_module
 from lightning_datastates import DataStatesIO
 from lightning_datastates.compat.lightning import checkpoint_path_str
 from lightning_datastates.snapshot import threads as threads_module
@@ -49,7 +49,7 @@ def slow_local_writes(delay_s: float) -> None:
     from tests.conftest import GatedWriter
 
     writer = GatedWriter(delay_s=delay_s)
-    plugin_module.writer_for = lambda path, storage_options=None, **_: writer  # type: ignore[assignment]
+    pipeline_module.writer_for = lambda path, storage_options=None, **_: writer  # type: ignore[assignment]
 
 
 def break_draining() -> None:

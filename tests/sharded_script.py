@@ -39,7 +39,7 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_datastates.plugin as plugin_module
+import lightning_datastates.pipeline as pipeline_module
 import lightning_datastates.sharded.saver as saver_module
 from lightning_datastates import DataStatesIO
 from lightning_datastates.compat.torch import local_shard
@@ -203,7 +203,7 @@ def faulty_shard_writes(out: str, rank: int, fail: bool) -> None:
     """From this rank's 3rd shard file on, every write fails (``fail``) or blocks forever after announcing it."""
     started = [0]
     announce_lock = threading.Lock()
-    writer_for = plugin_module.writer_for
+    writer_for = pipeline_module.writer_for
 
     def faulty_writer_for(path: str, storage_options: Any = None, **kwargs: Any) -> Any:
         writer = writer_for(path, storage_options, **kwargs)
@@ -235,7 +235,7 @@ def faulty_shard_writes(out: str, rank: int, fail: bool) -> None:
         writer.begin = faulty_begin  # type: ignore[method-assign]
         return writer
 
-    plugin_module.writer_for = faulty_writer_for  # type: ignore[assignment]
+    pipeline_module.writer_for = faulty_writer_for  # type: ignore[assignment]
 
 
 def record_planning_threads() -> list[str]:

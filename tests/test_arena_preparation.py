@@ -23,6 +23,8 @@ from lightning_datastates.capture.admission import PREPARED_TOLERANCE, PreparedA
 from lightning_datastates.config import DataStatesConfig
 from lightning_datastates.copy import copier, pinning, sizing
 from lightning_datastates.copy.arena import HostArena
+from lightning_datastates.pipeline import CheckpointPipeline
+from lightning_datastates.plugin import pipeline_of
 from lightning_datastates.records.job import JobState, SnapshotStats
 from lightning_datastates.snapshot.backpressure import BackPressureWarning, describe_back_pressure
 from lightning_datastates.strategies import gathers_full_state
@@ -53,7 +55,7 @@ def test_plugin_default_arena_follows_the_rule(tmp_path) -> None:
     checkpoint = {"w": torch.randn(12 * MiB)}  # 48 MiB of float32: two of them exceed the 64 MiB minimum
     plugin.save_checkpoint(checkpoint, str(tmp_path / "a.ckpt"))
     plugin.drain()
-    arena = plugin.engine.arena
+    arena = pipeline_of(plugin).engine.arena
     assert arena is not None and arena.size_bytes >= 2 * 48 * MiB
     plugin.teardown()
 
@@ -101,7 +103,7 @@ def test_training_never_waits_for_pinning(tmp_path, monkeypatch) -> None:
     expected = {k: v.clone() for k, v in checkpoint.items()}
     path = str(tmp_path / "a.ckpt")
     plugin.save_checkpoint(checkpoint, path)  # would block here if the arena were pinned on this thread
-    plugin.barrier()  # ...or here, if the copy waited for the pinning
+    pipeline_of(plugin).barrier()  # ...or here, if the copy waited for the pinning
     checkpoint["w"].add_(1)  # training goes on
     plugin.drain()
     assert pinner.entered.is_set() and not pinner.release.is_set()  # all of the above ran while pinning held
@@ -132,7 +134,7 @@ def test_cpu_training_on_a_host_with_a_gpu_neither_pins_nor_touches_cuda(tmp_pat
     plugin = DataStatesIO()
     trainer = make_trainer(str(tmp_path), plugin, [checkpoints], accelerator="cpu", max_steps=4)
     trainer.fit(BNModel(), make_loader())
-    arena = plugin.engine.arena
+    arena = pipeline_of(plugin).engine.arena
     assert arena is not None and not arena.pinned and os.listdir(tmp_path / "ckpt")
     plugin.teardown()
 
@@ -150,7 +152,7 @@ def test_copies_from_a_gpu_into_an_arena_made_for_cpu_state_are_said_once(tmp_pa
             plugin.save_checkpoint({"w": torch.full((1024,), float(index))}, str(tmp_path / f"gpu{index}.ckpt"))
     plugin.drain()
     said = [r for r in caplog.records if "go through pageable host memory" in r.getMessage()]
-    assert len(said) == 1 and not plugin.engine.arena.page_locking
+    assert len(said) == 1 and not pipeline_of(plugin).engine.arena.page_locking
     assert torch.equal(torch.load(tmp_path / "gpu1.ckpt", weights_only=True)["w"], torch.full((1024,), 1.0))
     plugin.teardown()
 
@@ -334,7 +336,7 @@ class FirstSaveProbe(DataStatesIO):
 
     def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
         if self.probed is None:
-            self.probed = (self.engine.arena, self.pinner.entered.is_set())
+            self.probed = (pipeline_of(self).engine.arena, self.pinner.entered.is_set())
         super().save_checkpoint(checkpoint, path, storage_options)
 
 
@@ -352,14 +354,14 @@ def test_arena_is_made_and_pinned_before_the_first_save(tmp_path, monkeypatch, h
     class ArenaAtFirstBatch(Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             if batch_idx == 0:
-                made_at_first_batch.append(plugin.engine.arena is not None)
+                made_at_first_batch.append(pipeline_of(plugin).engine.arena is not None)
 
     trainer = make_trainer(str(tmp_path), plugin, [checkpoints, ArenaAtFirstBatch()], max_epochs=1)
     trainer.fit(BNModel(), make_loader())
     assert plugin.probed is not None
     arena_at_first_save, pinning_begun = plugin.probed
     assert arena_at_first_save is not None and pinning_begun  # made, and its pinning under way, before the save
-    assert plugin.engine.arena is arena_at_first_save  # ... and the first checkpoint took it
+    assert pipeline_of(plugin).engine.arena is arena_at_first_save  # ... and the first checkpoint took it
     assert pinner.pinned == pinning.cut_at_pin_boundaries(
         arena_at_first_save.buffer.data_ptr(), arena_at_first_save.size_bytes
     )
@@ -367,7 +369,7 @@ def test_arena_is_made_and_pinned_before_the_first_save(tmp_path, monkeypatch, h
     assert made_at_first_batch == [host_cache is not None]  # a host cache's size is known at train start
     if host_cache is None:  # the default rule, applied to the state: two of its checkpoints at least
         assert arena_at_first_save.size_bytes >= sizing.MIN_ARENA_BYTES
-    assert len(os.listdir(tmp_path / "ckpt")) == 2 and not plugin.engine.unreported_failures()
+    assert len(os.listdir(tmp_path / "ckpt")) == 2 and not pipeline_of(plugin).engine.unreported_failures()
 
 
 def test_a_prepared_arena_too_small_for_the_first_checkpoint_is_made_again(tmp_path, monkeypatch) -> None:
@@ -376,14 +378,14 @@ def test_a_prepared_arena_too_small_for_the_first_checkpoint_is_made_again(tmp_p
     pinner = BlockingPinner()
     monkeypatch.setattr(pinning, "default_pinner", lambda cuda_device: pinner)
     plugin = in_background(DataStatesIO())
-    plugin.prepare_arena(MiB)  # the default rule's minimum: 64 MiB
-    prepared = plugin.engine.arena
+    pipeline_of(plugin).prepare_arena(MiB)  # the default rule's minimum: 64 MiB
+    prepared = pipeline_of(plugin).engine.arena
     assert prepared is not None and pinner.entered.wait(10)
     checkpoint = {"w": torch.randn(12 * MiB)}  # 48 MiB: two of them do not fit
     path = str(tmp_path / "a.ckpt")
     plugin.save_checkpoint(checkpoint, path)  # would block if the old arena's unpinning waited here
     plugin.drain()
-    arena = plugin.engine.arena
+    arena = pipeline_of(plugin).engine.arena
     assert arena is not None and arena is not prepared and arena.size_bytes >= 2 * 48 * MiB
     assert not pinner.release.is_set() and pinner.unpinned == []  # all of the above ran while pinning held
     pinner.release.set()
@@ -439,7 +441,7 @@ def _back_pressured_saves(tmp_path, gated_writer, count: int) -> list[warnings.W
             threading.Timer(0.2, gated_writer.gate.set).start()
             checkpoint = {"w": torch.full((MiB,), float(i))}
             plugin.save_checkpoint(checkpoint, str(tmp_path / f"c{i}.ckpt"))
-            assert plugin.barrier() > 0  # training waited: the copy needed space held by the stalled flush
+            assert pipeline_of(plugin).barrier() > 0  # training waited: the copy needed space held by the stalled flush
         plugin.drain()
     plugin.teardown()
     for i in range(count):
@@ -462,7 +464,7 @@ def test_no_back_pressure_warning_when_storage_keeps_up(tmp_path) -> None:
         for i in range(3):
             plugin.save_checkpoint({"w": torch.full((MiB,), float(i))}, str(tmp_path / f"c{i}.ckpt"))
             plugin.drain()  # storage is done before the next barrier
-            plugin.barrier()
+            pipeline_of(plugin).barrier()
     plugin.teardown()
     assert not [w for w in caught if issubclass(w.category, BackPressureWarning)]
 
@@ -505,7 +507,7 @@ def test_no_back_pressure_warning_for_a_wait_that_did_not_block_training(tmp_pat
         assert plugin.stats[-1].arena_wait_s > 0
         many = {f"t{i}": torch.full((32 * 1024,), float(i)) for i in range(20)}  # 20 x 128 KiB, 2 ms each to copy
         plugin.save_checkpoint(many, str(tmp_path / "b.ckpt"))
-        assert plugin.barrier() > 0  # training waits for the slow copy, not for storage
+        assert pipeline_of(plugin).barrier() > 0  # training waits for the slow copy, not for storage
         plugin.drain()
     plugin.teardown()
     assert plugin.stats[-1].arena_wait_s == 0
@@ -548,10 +550,14 @@ def test_arena_estimate_counts_what_the_checkpoints_hold(tmp_path, weights_only)
     """Parameters and persistent buffers; the optimizer's state unless every ModelCheckpoint saves weights only."""
     requests: list[int] = []
 
-    class Recording(DataStatesIO):
+    class RecordingPipeline(CheckpointPipeline):
         def prepare_arena(self, request_bytes: int, cuda_device: int | None = None) -> None:
             requests.append(request_bytes)
             super().prepare_arena(request_bytes, cuda_device)
+
+    class Recording(DataStatesIO):
+        def _new_pipeline(self, config: DataStatesConfig) -> CheckpointPipeline:
+            return RecordingPipeline(config)
 
     checkpoints = every_step_checkpoint(str(tmp_path / "ckpt"), save_weights_only=weights_only, save_last=False)
     trainer = make_trainer(str(tmp_path), Recording(), [checkpoints], max_epochs=1)
@@ -574,4 +580,4 @@ def test_no_arena_before_the_first_save_without_a_checkpoint_callback(tmp_path, 
     plugin = DataStatesIO()
     trainer = make_trainer(str(tmp_path), plugin, max_epochs=1, enable_checkpointing=False)
     trainer.fit(BNModel(), make_loader())
-    assert plugin._engine is None or plugin.engine.arena is None
+    assert pipeline_of(plugin)._engine is None or pipeline_of(plugin).engine.arena is None

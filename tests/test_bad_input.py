@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from lightning_datastates import CheckpointCaptureError, DataStatesIO
+from lightning_datastates.plugin import pipeline_of
 from tests.conftest import (  # noqa: F401 - slow_copies is a fixture
     BNModel,
     every_step_checkpoint,
@@ -167,10 +168,10 @@ def _roundtrip(tmp_path: Any, checkpoint: Any, lazy: bool, weights_only: bool = 
         in_background(plugin, lazy=True)
     plugin.save_checkpoint(checkpoint, path)
     if lazy:
-        plugin.barrier()
+        pipeline_of(plugin).barrier()
         _overwrite_sources(checkpoint)  # training goes on: the file must keep the state of the save call
     plugin.drain()
-    plugin.raise_pending_failure()
+    pipeline_of(plugin).raise_pending_failure()
     plain = torch.load(path, weights_only=weights_only)
     _assert_same(plain, expected)
     loaded = plugin.load_checkpoint(path, weights_only=weights_only)

@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from lightning_datastates import DataStatesCallback, DataStatesIO
+from lightning_datastates.plugin import pipeline_of
 from lightning_datastates.storage.local import TEMP_SUFFIX
 from tests.conftest import (
     BNModel,
@@ -43,7 +44,7 @@ def test_explicit_callback_with_entry_point_one_drives_the_plugin(tmp_path, slow
 
     class OwnerSpy(DataStatesCallback):  # observes who owns the plugin while training runs
         def on_train_start(self, trainer, pl_module):
-            seen_owners.append(plugin._owner)
+            seen_owners.append(pipeline_of(plugin)._owner)
 
     trainer = make_trainer(
         str(tmp_path),
@@ -55,7 +56,7 @@ def test_explicit_callback_with_entry_point_one_drives_the_plugin(tmp_path, slow
     trainer.fit(BNModel(), make_loader())
     assert seen_owners == [explicit]
     assert trainer.callbacks[0] is explicit  # moved first: its barriers precede other callbacks' hooks
-    assert plugin._owner is None  # released at teardown
+    assert pipeline_of(plugin)._owner is None  # released at teardown
     for path, expected in plugin.recorded.items():
         assert_bit_equal(torch.load(path, weights_only=False), expected, os.path.basename(path))
 

@@ -20,6 +20,7 @@ import torch
 from lightning_datastates import DataStatesIO
 from lightning_datastates.archive import read_archive_index
 from lightning_datastates.cli import main, summarize
+from lightning_datastates.plugin import pipeline_of
 from lightning_datastates.records.names import PENDING_SUFFIX
 from lightning_datastates.storage.leftovers import host_tag
 from tests.conftest import BNModel, dead_pid, every_step_checkpoint, make_loader, make_trainer, temp_files
@@ -175,7 +176,8 @@ def test_clean_removes_the_temporary_file_of_a_killed_writer_only(tmp_path) -> N
     dead = temp_files(str(directory))
     assert len(dead) == 1
     (directory / "keep.ckpt").write_bytes(b"a committed checkpoint")
-    live = DataStatesIO().writer_for(str(directory / "b.ckpt")).begin(str(directory / "b.ckpt"), 10)  # this process
+    writer = pipeline_of(DataStatesIO()).writer_for(str(directory / "b.ckpt"))
+    live = writer.begin(str(directory / "b.ckpt"), 10)  # this process
     try:
         result = _cli("clean", str(directory))
         assert result.returncode == 0, result.stderr

@@ -13,6 +13,7 @@ import torch
 from lightning_datastates import ConfigError, DataStatesIO
 from lightning_datastates.config import USER_SETTINGS, DataStatesConfig, parse_size
 from lightning_datastates.errors import DataStatesError
+from lightning_datastates.plugin import pipeline_of
 
 KiB, MiB, GiB, TiB = 1024, 1024**2, 1024**3, 1024**4
 
@@ -238,7 +239,7 @@ def test_plugin_pickles_with_its_config() -> None:
     clone = pickle.loads(pickle.dumps(plugin))
     assert type(clone) is DataStatesIO
     assert clone.config == plugin.config == DataStatesConfig(32 * MiB, 3, 2 * MiB, 512)
-    assert clone.stats == [] and not clone.is_pending("x.ckpt")
+    assert clone.stats == [] and not pipeline_of(clone).is_pending("x.ckpt")
     deep = copy.deepcopy(plugin)
     assert deep.config == plugin.config
 
@@ -252,7 +253,7 @@ def test_used_plugin_pickles_without_its_engine_and_the_copy_works(tmp_path) -> 
         plugin.teardown()
     assert torch.load(tmp_path / "a.ckpt", weights_only=True)["step"] == 1
     assert clone.config == plugin.config
-    assert clone._engine is None and clone.stats == []
+    assert pipeline_of(clone)._engine is None and clone.stats == []
     try:
         clone.save_checkpoint({"w": torch.ones(3), "step": 2}, tmp_path / "b.ckpt")
         clone.drain()
@@ -263,10 +264,10 @@ def test_used_plugin_pickles_without_its_engine_and_the_copy_works(tmp_path) -> 
 
 def test_plugin_keeps_one_writer_per_protocol_and_pickles_without_them(tmp_path) -> None:
     plugin = DataStatesIO()
-    local = plugin.writer_for(str(tmp_path / "a.ckpt"))
-    assert plugin.writer_for(str(tmp_path / "sub" / "b.ckpt")) is local
-    assert plugin.writer_for(f"file://{tmp_path}/c.ckpt") is local  # a file:// URL is a local path too
-    memory = plugin.writer_for("memory://run/a.ckpt")
-    assert plugin.writer_for("memory://other/b.ckpt") is memory and memory is not local
+    local = pipeline_of(plugin).writer_for(str(tmp_path / "a.ckpt"))
+    assert pipeline_of(plugin).writer_for(str(tmp_path / "sub" / "b.ckpt")) is local
+    assert pipeline_of(plugin).writer_for(f"file://{tmp_path}/c.ckpt") is local  # a file:// URL is a local path too
+    memory = pipeline_of(plugin).writer_for("memory://run/a.ckpt")
+    assert pipeline_of(plugin).writer_for("memory://other/b.ckpt") is memory and memory is not local
     clone = pickle.loads(pickle.dumps(plugin))
-    assert clone._writers == {} and plugin.writer_for(str(tmp_path / "d.ckpt")) is local
+    assert pipeline_of(clone)._writers == {} and pipeline_of(plugin).writer_for(str(tmp_path / "d.ckpt")) is local

@@ -28,6 +28,7 @@ from lightning_datastates.copy.copier import (
     copy_host_bytes,
 )
 from lightning_datastates.copy.loop import IN_FLIGHT_CHUNKS
+from lightning_datastates.plugin import pipeline_of
 from lightning_datastates.records.chunks import Piece, plan_chunks
 from lightning_datastates.records.layout import StorageRecord
 from tests.conftest import assert_bit_equal, in_background, storage_bytes
@@ -203,7 +204,7 @@ def deferred_copies() -> Iterator[DeferredCopier]:
 
 
 def _with_deferred_copies(plugin: DataStatesIO, copier: DeferredCopier) -> DataStatesIO:
-    plugin.engine._copiers._copiers[torch.device("cpu")] = copier  # type: ignore[assignment]
+    pipeline_of(plugin).engine._copiers._copiers[torch.device("cpu")] = copier  # type: ignore[assignment]
     return plugin
 
 
@@ -220,7 +221,7 @@ def test_chunks_in_flight_reach_the_file_as_they_were_at_the_save_call(tmp_path,
         expected.append({k: v.clone() for k, v in state.items()})
         plugin.save_checkpoint(state, path)
         state["small"].add_(1.0)  # eager (at most eager_copy_size): may change once the save call returned
-        plugin.barrier()
+        pipeline_of(plugin).barrier()
         for tensor in state.values():
             tensor.add_(1.0)  # the optimizer step
     plugin.drain()
@@ -240,7 +241,7 @@ def test_chunks_in_flight_with_a_full_arena_and_stalled_storage(tmp_path, deferr
     state = {"w": torch.randn(3 * 2**20 // 4)}  # 3 MiB: three times the arena
     expected = {"w": state["w"].clone()}
     plugin.save_checkpoint(state, str(tmp_path / "a.ckpt"))
-    plugin.barrier()
+    pipeline_of(plugin).barrier()
     state["w"].add_(1.0)
     plugin.drain()
     assert_bit_equal(torch.load(tmp_path / "a.ckpt", weights_only=True), expected)
@@ -287,7 +288,7 @@ def test_the_copy_is_timed_from_its_first_chunk_as_well_as_from_the_save_call(tm
     monkeypatch.setattr(engine.SnapshotEngine, "capture_planned", slow_planning)
     plugin = in_background(DataStatesIO(host_cache="64MiB", chunk_size="1MiB"), lazy=True)
     plugin.save_checkpoint({"w": torch.randn(2**20)}, str(tmp_path / "a.ckpt"))  # 4 MiB: four chunks
-    plugin.barrier()
+    pipeline_of(plugin).barrier()
     plugin.drain()
     stats = plugin.stats[-1]
     assert stats.copy_s is not None and stats.copying_s is not None

@@ -12,6 +12,7 @@ import torch
 
 from lightning_datastates import DataStatesCallback, DataStatesIO
 from lightning_datastates.copy.arena import address_view
+from lightning_datastates.plugin import pipeline_of
 from tests.conftest import (
     BNModel,
     RecordingDataStatesIO,
@@ -51,7 +52,7 @@ class _AllLazy:
 
 def test_copy_is_ordered_after_queued_kernels_and_before_mutation(tmp_path):
     plugin = DataStatesIO(host_cache="2GiB")
-    plugin._owner = _AllLazy()  # type: ignore[assignment]
+    pipeline_of(plugin).attach(_AllLazy())
     weight = torch.zeros(64 * 2**20, device="cuda")  # 256 MiB
     for round_ in range(3):
         weight.fill_(float(round_))
@@ -65,11 +66,11 @@ def test_copy_is_ordered_after_queued_kernels_and_before_mutation(tmp_path):
         _queue_behind_a_sleep(lambda values=on_device: weight.add_(values))
         path = str(tmp_path / f"r{round_}.ckpt")
         plugin.save_checkpoint({"w": weight}, path)
-        plugin.barrier()  # what on_before_optimizer_step does
+        pipeline_of(plugin).barrier()  # what on_before_optimizer_step does
         weight.add_(1000.0)  # the "optimizer step": must not leak into the file
         plugin.drain()
         assert torch.equal(torch.load(path, weights_only=True, map_location="cpu")["w"], expected)
-    arena = plugin.engine.arena
+    arena = pipeline_of(plugin).engine.arena
     # Page-locked in the background (cudaHostRegister of the pageable buffer), never on the training thread.
     assert arena is not None and arena.wait_pinned(60) and arena.buffer.is_pinned()
     plugin.teardown()
@@ -86,7 +87,7 @@ def test_many_small_tensors_in_one_chunk_are_all_copied_after_queued_kernels(tmp
     split = engine.eager_record_keys
     monkeypatch.setattr(engine, "eager_record_keys", lambda *args: eager_parts.append(split(*args)) or eager_parts[-1])
     plugin = DataStatesIO(host_cache="1GiB", eager_copy_size=eager_copy_size)
-    plugin._owner = _AllLazy()  # type: ignore[assignment]
+    pipeline_of(plugin).attach(_AllLazy())
     tensors = [torch.zeros(1000 + 37 * i, device="cuda") for i in range(300)]  # packed into one chunk
     big = torch.zeros(32 * 2**20, device="cuda")
     for tensor in tensors:
@@ -101,7 +102,7 @@ def test_many_small_tensors_in_one_chunk_are_all_copied_after_queued_kernels(tmp
     _queue_behind_a_sleep(last_writes)  # the last writes of the state, still in flight at the save call
     path = str(tmp_path / "small.ckpt")
     plugin.save_checkpoint({f"t{i}": t for i, t in enumerate(tensors)}, path)
-    plugin.barrier()
+    pipeline_of(plugin).barrier()
     for tensor in tensors:
         tensor.add_(1000.0)  # the "optimizer step"
     plugin.drain()
@@ -134,13 +135,13 @@ def test_trainer_on_gpu_every_file_equals_state_at_save(tmp_path):
 
 def test_no_extra_gpu_memory(tmp_path):
     plugin = DataStatesIO()
-    plugin._owner = _AllLazy()  # type: ignore[assignment]
+    pipeline_of(plugin).attach(_AllLazy())
     weight = torch.randn(32 * 2**20, device="cuda")
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     plugin.save_checkpoint({"w": weight}, str(tmp_path / "m.ckpt"))
-    plugin.barrier()
+    pipeline_of(plugin).barrier()
     plugin.drain()
     assert torch.cuda.max_memory_allocated() == before  # no device-side staging copy
     plugin.teardown()
@@ -154,7 +155,7 @@ def test_trainer_on_gpu_copies_the_first_checkpoint_into_an_arena_pinned_beforeh
     class Probe(RecordingDataStatesIO):
         def save_checkpoint(self, checkpoint, path, storage_options=None):
             if not at_first_save:
-                arena = self.engine.arena
+                arena = pipeline_of(self).engine.arena
                 # The probe waits (the plugin never does): pinning a small arena takes milliseconds.
                 at_first_save.append(arena is not None and arena.wait_pinned(30) and arena.buffer.is_pinned())
                 self.first_arena = arena
@@ -164,7 +165,7 @@ def test_trainer_on_gpu_copies_the_first_checkpoint_into_an_arena_pinned_beforeh
     checkpoints = every_step_checkpoint(str(tmp_path / "ckpt"), every_n_train_steps=4, save_last=False)
     trainer = make_trainer(str(tmp_path), plugin, [checkpoints], accelerator="gpu", devices=1, deterministic=False)
     trainer.fit(BNModel(width=2048), make_loader(n=256, batch_size=32))
-    assert at_first_save == [True] and plugin.engine.arena is plugin.first_arena
+    assert at_first_save == [True] and pipeline_of(plugin).engine.arena is plugin.first_arena
     for path, expected in plugin.recorded.items():
         assert_bit_equal(torch.load(path, map_location="cpu", weights_only=False), expected, os.path.basename(path))
 
@@ -183,10 +184,11 @@ def test_chunks_are_in_flight_on_the_copy_stream_and_the_file_is_exact(tmp_path,
 
     monkeypatch.setattr(copy_loop.CopyLoop, "_copy_chunk", recording_copy_chunk)
     plugin = DataStatesIO(host_cache="2GiB", chunk_size="32MiB")
-    plugin._owner = _AllLazy()  # type: ignore[assignment]
+    pipeline_of(plugin).attach(_AllLazy())
     weight = torch.randn(128 * 2**20, device="cuda")  # 512 MiB: 16 chunks
-    plugin.prepare_arena(weight.nbytes, weight.device.index)  # copies into pageable memory would end at once: pin
-    assert plugin.engine.arena is not None and plugin.engine.arena.wait_pinned(60)
+    # copies into pageable memory would end at once: pin
+    pipeline_of(plugin).prepare_arena(weight.nbytes, weight.device.index)
+    assert pipeline_of(plugin).engine.arena is not None and pipeline_of(plugin).engine.arena.wait_pinned(60)
     _save_then_step_then_check(plugin, weight, str(tmp_path / "inflight.ckpt"))
     assert most_in_flight[0] > 1
     plugin.teardown()
@@ -200,10 +202,10 @@ def test_arena_pinned_in_pieces_takes_copies_that_span_pieces_bit_exact(tmp_path
 
     monkeypatch.setattr(pinning, "PIN_PIECE_BYTES", 2**20)  # 1 MiB pieces: every 8 MiB chunk spans at least 8
     plugin = DataStatesIO(host_cache="64MiB", chunk_size="8MiB")
-    plugin._owner = _AllLazy()  # type: ignore[assignment]
+    pipeline_of(plugin).attach(_AllLazy())
     weight = torch.randn(6 * 2**20, device="cuda")  # 24 MiB
-    plugin.prepare_arena(weight.nbytes, weight.device.index)
-    arena = plugin.engine.arena
+    pipeline_of(plugin).prepare_arena(weight.nbytes, weight.device.index)
+    arena = pipeline_of(plugin).engine.arena
     assert arena is not None and arena.wait_pinned(60) and arena.pinned_bytes == arena.size_bytes
     base = arena.buffer.data_ptr()
     for address, _ in pinning.cut_at_pin_boundaries(base, arena.size_bytes):
@@ -220,7 +222,7 @@ def _save_then_step_then_check(plugin: DataStatesIO, weight: torch.Tensor, path:
     the value at the save call."""
     expected = weight.cpu()
     plugin.save_checkpoint({"w": weight}, path)
-    plugin.barrier()
+    pipeline_of(plugin).barrier()
     weight.add_(1.0)
     plugin.drain()
     assert torch.equal(torch.load(path, weights_only=True, map_location="cpu")["w"], expected)

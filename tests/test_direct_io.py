@@ -24,6 +24,7 @@ from lightning_datastates.alignment import PAGE_ALIGNMENT_BYTES
 from lightning_datastates.archive import read_archive_index
 from lightning_datastates.capture.layout import plan_layout
 from lightning_datastates.errors import ConfigError
+from lightning_datastates.plugin import pipeline_of
 from lightning_datastates.storage import direct_io as direct_io_module
 from lightning_datastates.storage import local as local_module
 from lightning_datastates.storage.local import LocalWriter, LocalWriteSession
@@ -85,7 +86,7 @@ def test_direct_io_is_validated_and_reaches_the_local_writer(tmp_path) -> None:
     assert DataStatesIO().config.direct_io == "auto"
     for value in (True, False, "auto"):
         plugin = DataStatesIO(direct_io=value)
-        writer = plugin.writer_for(str(tmp_path / "x.ckpt"))
+        writer = pipeline_of(plugin).writer_for(str(tmp_path / "x.ckpt"))
         assert isinstance(writer, LocalWriter) and writer.direct_io == value
     for bad in ("yes", 1, None, "AUTO"):
         with pytest.raises(ConfigError, match="direct_io must be 'auto'"):
@@ -129,7 +130,11 @@ def test_auto_leaves_network_fuse_and_memory_file_systems_to_the_page_cache(tmp_
 
 @pytest.mark.parametrize("direct_io", ["auto", False])
 def test_default_writes_use_o_direct_where_the_file_system_takes_it(tmp_path, direct_io) -> None:
-    session = DataStatesIO(direct_io=direct_io).writer_for(str(tmp_path / "x.ckpt")).begin(str(tmp_path / "x.ckpt"), 0)
+    session = (
+        pipeline_of(DataStatesIO(direct_io=direct_io))
+        .writer_for(str(tmp_path / "x.ckpt"))
+        .begin(str(tmp_path / "x.ckpt"), 0)
+    )
     try:
         expected = (
             direct_io == "auto" and direct_io_module.direct_io_suits(str(tmp_path)) and _direct_io_works(str(tmp_path))
@@ -159,7 +164,7 @@ def test_aligned_files_are_plain_torch_files_with_aligned_records(tmp_path, lazy
     checkpoint = _checkpoint()
     plugin.save_checkpoint(checkpoint, path)
     plugin.drain()
-    plugin.raise_pending_failure()
+    pipeline_of(plugin).raise_pending_failure()
     records = _records(path)
     assert len(records) == 7 and all(r.data_offset % 4096 == 0 for r in records)
     assert_bit_equal(torch.load(path, weights_only=True), checkpoint)
@@ -211,7 +216,7 @@ def test_a_file_system_refusing_o_direct_at_open_falls_back(tmp_path, monkeypatc
     with caplog.at_level(logging.DEBUG, logger="lightning_datastates"):
         for name in ("a.ckpt", "b.ckpt"):
             plugin.save_checkpoint(checkpoint, str(tmp_path / name))
-            plugin.raise_pending_failure()
+            pipeline_of(plugin).raise_pending_failure()
     said = [r for r in caplog.records if "direct I/O" in r.getMessage()]
     assert len(said) == 1 and str(tmp_path) in said[0].getMessage() and "page cache" in said[0].getMessage()
     assert said[0].levelno == (logging.WARNING if direct_io is True else logging.DEBUG)
@@ -240,9 +245,9 @@ def test_direct_writes_come_straight_from_the_arena_without_a_bounce_copy(tmp_pa
     plugin = in_background(DataStatesIO(storage_alignment=storage_alignment, chunk_size="1MiB"), lazy=True)
     checkpoint = _checkpoint()
     plugin.save_checkpoint(checkpoint, str(tmp_path / "a.ckpt"))
-    plugin.barrier()
+    pipeline_of(plugin).barrier()
     plugin.drain()
-    plugin.raise_pending_failure()
+    pipeline_of(plugin).raise_pending_failure()
     assert_bit_equal(torch.load(str(tmp_path / "a.ckpt"), weights_only=True), checkpoint)
     payload = sum(t.untyped_storage().nbytes() for t in (checkpoint["big"], *checkpoint["state_dict"].values()))
     assert direct_bytes["in place"] > 0.9 * payload and direct_bytes["bounced"] == 0, direct_bytes

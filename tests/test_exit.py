@@ -20,6 +20,7 @@ import torch
 from lightning_datastates import DataStatesIO
 from lightning_datastates.copy.loop import CopyLoop
 from lightning_datastates.interrupts import sigint_deferred
+from lightning_datastates.plugin import pipeline_of
 from tests.conftest import assert_bit_equal, in_background, temp_files
 from tests.script_support import launch
 
@@ -115,7 +116,7 @@ def test_sigkill_leaves_whole_files_or_none_and_the_next_run_cleans_up(tmp_path)
         assert_bit_equal(torch.load(tmp_path / "ckpt" / name, map_location="cpu", weights_only=False), expected, name)
     # Temporary files of the killed process remain; the next run's setup removes them (its pid is dead).
     left = temp_files(str(tmp_path / "ckpt"))
-    removed = DataStatesIO().clean_stale(str(tmp_path / "ckpt"))
+    removed = pipeline_of(DataStatesIO()).clean_stale(str(tmp_path / "ckpt"))
     assert sorted(removed) == sorted(left)
     assert temp_files(str(tmp_path)) == []
 

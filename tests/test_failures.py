@@ -13,6 +13,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_datastates import CheckpointCaptureError, CheckpointFlushError, DataStatesIO
+from lightning_datastates.plugin import pipeline_of
 from tests.conftest import (
     BNModel,
     GatedWriter,
@@ -41,10 +42,10 @@ def test_failed_write_raises_once_naming_the_path(tmp_path, gated_writer):
     assert raised.value.path == paths[1] and paths[1] in str(raised.value)
     assert isinstance(raised.value.__cause__, OSError) and "injected" in str(raised.value.__cause__)
     # Reported once: nothing more to raise, and later checkpoints succeed.
-    plugin.raise_pending_failure()
+    pipeline_of(plugin).raise_pending_failure()
     plugin.save_checkpoint(_small(2), paths[2])
     plugin.drain()
-    plugin.raise_pending_failure()
+    pipeline_of(plugin).raise_pending_failure()
     assert os.path.exists(paths[0]) and not os.path.exists(paths[1]) and os.path.exists(paths[2])
     assert temp_files(str(tmp_path)) == []
     plugin.teardown()
@@ -59,7 +60,7 @@ def test_failed_write_keeps_the_previous_file_of_that_path(tmp_path, gated_write
     plugin.save_checkpoint(_small(2), path)
     plugin.drain()
     with pytest.raises(CheckpointFlushError):
-        plugin.raise_pending_failure()
+        pipeline_of(plugin).raise_pending_failure()
     assert torch.load(path, weights_only=True)["epoch"] == 1
     plugin.teardown()
 
@@ -102,7 +103,7 @@ class _ExceptionSpy(Callback):
 
 def test_background_failure_in_fit_raises_once_and_teardown_runs(tmp_path, monkeypatch):
     writer = GatedWriter(fail_on_write=5)
-    monkeypatch.setattr("lightning_datastates.plugin.writer_for", lambda path, storage_options=None, **_: writer)
+    monkeypatch.setattr("lightning_datastates.pipeline.writer_for", lambda path, storage_options=None, **_: writer)
     spy = _ExceptionSpy()
     plugin = DataStatesIO()
     trainer = make_trainer(
@@ -113,17 +114,18 @@ def test_background_failure_in_fit_raises_once_and_teardown_runs(tmp_path, monke
     assert "ckpt" in raised.value.path
     assert spy.exceptions == [raised.value]  # Lightning's exception path ran: on_exception hooks...
     assert trainer.state.status.value == "interrupted"
-    assert plugin.engine._threads.running == []  # ...and the strategy's teardown, which tears the plugin down
+    # ...and the strategy's teardown, which tears the plugin down
+    assert pipeline_of(plugin).engine._threads.running == []
     assert not os.path.exists(raised.value.path)
     for name in os.listdir(tmp_path / "ckpt"):  # every file that exists is whole
         torch.load(tmp_path / "ckpt" / name, weights_only=True)
-    plugin.raise_pending_failure()  # nothing left to raise: reported exactly once
+    pipeline_of(plugin).raise_pending_failure()  # nothing left to raise: reported exactly once
     assert temp_files(str(tmp_path)) == []
 
 
 def test_exception_in_training_step_drains_pending_writes(tmp_path, monkeypatch):
     writer = GatedWriter(delay_s=0.01)  # slow storage: writes are pending when the step raises
-    monkeypatch.setattr("lightning_datastates.plugin.writer_for", lambda path, storage_options=None, **_: writer)
+    monkeypatch.setattr("lightning_datastates.pipeline.writer_for", lambda path, storage_options=None, **_: writer)
     plugin = DataStatesIO(chunk_size="64KiB")
     trainer = make_trainer(str(tmp_path), plugin, callbacks=[every_step_checkpoint(str(tmp_path / "ckpt"))])
     with pytest.raises(RuntimeError, match="boom"):
@@ -152,12 +154,14 @@ _EXIT_SCRIPT = textwrap.dedent(
             s = super().begin(path, total_bytes)
             return SlowSession(s.path, s.temp_path, s._fd)
 
-    import lightning_datastates.plugin as plugin_module
-    plugin_module.writer_for = lambda path, storage_options=None, **_: SlowWriter()
+    import lightning_datastates.pipeline as pipeline_module
+    from lightning_datastates.plugin import pipeline_of
+    pipeline_module.writer_for = lambda path, storage_options=None, **_: SlowWriter()
     plugin = DataStatesIO(chunk_size="1MiB")
-    plugin._owner = type("InTrainingLoop", (), {"in_training_loop": True, "lazy_predicate": lambda self: None})()
+    in_training_loop = type("InTrainingLoop", (), {"in_training_loop": True, "lazy_predicate": lambda self: None})
+    pipeline_of(plugin).attach(in_training_loop())
     plugin.save_checkpoint({"w": torch.arange(4 * 2**20, dtype=torch.float32)}, sys.argv[1])
-    print("pending at exit:", plugin.is_pending(sys.argv[1]), flush=True)
+    print("pending at exit:", pipeline_of(plugin).is_pending(sys.argv[1]), flush=True)
     """
 )
 

@@ -24,6 +24,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_datastates import CheckpointFlushError
+from lightning_datastates.plugin import pipeline_of
 from lightning_datastates.storage.local import LocalWriter, LocalWriteSession
 from tests.conftest import (
     BNModel,
@@ -233,8 +234,9 @@ _SLOW_STORAGE_SCRIPT = textwrap.dedent(
     """
     import json, os, sys
     import lightning as L
-    import lightning_datastates.plugin as plugin_module
+    import lightning_datastates.pipeline as pipeline_module
     from lightning_datastates import DataStatesIO
+    from lightning_datastates.plugin import pipeline_of
     from tests.conftest import BNModel, GatedWriter, every_step_checkpoint, make_loader, make_trainer
 
     def rss_bytes(field):
@@ -244,13 +246,14 @@ _SLOW_STORAGE_SCRIPT = textwrap.dedent(
                     return int(line.split()[1]) * 1024
 
     writer = GatedWriter(delay_s=0.02)  # every write takes 20 ms more: storage far slower than the steps
-    plugin_module.writer_for = lambda path, storage_options=None, **_: writer
+    pipeline_module.writer_for = lambda path, storage_options=None, **_: writer
 
     class InFlight(L.Callback):
         def __init__(self):
             self.most = 0
         def on_train_batch_end(self, trainer, *args):
-            self.most = max(self.most, sum(not job.finished.is_set() for job in list(plugin.engine._pending.active)))
+            active = list(pipeline_of(plugin).engine._pending.active)
+            self.most = max(self.most, sum(not job.finished.is_set() for job in active))
 
     steps = int(sys.argv[2])
     plugin = DataStatesIO(host_cache="16MiB", chunk_size="1MiB", writer_threads=2)
@@ -265,12 +268,13 @@ _SLOW_STORAGE_SCRIPT = textwrap.dedent(
     before = rss_bytes("VmRSS")
     trainer.fit(model, make_loader(n=256))
     stats = plugin.stats
+    engine = pipeline_of(plugin).engine
     print(json.dumps({
         "growth_bytes": rss_bytes("VmHWM") - before,
         "checkpoint_bytes": max(s.total_bytes for s in stats),
         "committed": sum(s.state == "committed" for s in stats),
-        "arena_bytes": plugin.engine.arena.size_bytes,
-        "arena_peak_bytes": plugin.engine.arena.peak_used_bytes,
+        "arena_bytes": engine.arena.size_bytes,
+        "arena_peak_bytes": engine.arena.peak_used_bytes,
         "most_in_flight": in_flight.most,
         "writer_threads": plugin.config.writer_threads,
     }))
@@ -293,7 +297,7 @@ def test_storage_slower_than_saves_keeps_memory_and_checkpoints_in_flight_bounde
 @pytest.mark.slow
 def test_arena_full_policy_skip_skips_whole_checkpoints_and_keeps_older_files(tmp_path, monkeypatch, caplog):
     writer = GatedWriter(delay_s=0.05)  # storage far slower than the steps
-    monkeypatch.setattr("lightning_datastates.plugin.writer_for", lambda path, storage_options=None, **_: writer)
+    monkeypatch.setattr("lightning_datastates.pipeline.writer_for", lambda path, storage_options=None, **_: writer)
     plugin = RecordingDataStatesIO(on_arena_full="skip", host_cache="8MiB", chunk_size="1MiB", writer_threads=2)
     directory = str(tmp_path / "ckpt")
     top_k = ModelCheckpoint(dirpath=directory, every_n_train_steps=1, save_top_k=2, monitor="train_loss")
@@ -341,7 +345,7 @@ class FlakyWriter(LocalWriter):
 
 def test_storage_that_recovers_warn_policy_one_warning_per_failed_checkpoint(tmp_path, monkeypatch, caplog):
     writer = FlakyWriter(failing={3, 6})
-    monkeypatch.setattr("lightning_datastates.plugin.writer_for", lambda path, storage_options=None, **_: writer)
+    monkeypatch.setattr("lightning_datastates.pipeline.writer_for", lambda path, storage_options=None, **_: writer)
     plugin = RecordingDataStatesIO(on_flush_error="warn")
     directory = str(tmp_path / "ckpt")
     trainer = make_trainer(
@@ -361,12 +365,12 @@ def test_storage_that_recovers_warn_policy_one_warning_per_failed_checkpoint(tmp
     for name in kept:  # the later checkpoints succeeded, whole and right
         path = os.path.join(directory, name)
         assert_bit_equal(torch.load(path, weights_only=True), plugin.recorded[path], name)
-    plugin.raise_pending_failure()  # nothing left to report
+    pipeline_of(plugin).raise_pending_failure()  # nothing left to report
 
 
 def test_storage_that_recovers_raise_policy_raises_once_then_resumes(tmp_path, monkeypatch):
     writer = FlakyWriter(failing={3})
-    monkeypatch.setattr("lightning_datastates.plugin.writer_for", lambda path, storage_options=None, **_: writer)
+    monkeypatch.setattr("lightning_datastates.pipeline.writer_for", lambda path, storage_options=None, **_: writer)
     plugin = RecordingDataStatesIO()  # on_flush_error="raise", the default
     directory = str(tmp_path / "ckpt")
     callbacks = [every_step_checkpoint(directory, save_last=False)]

@@ -30,6 +30,7 @@ from lightning_datastates.archive import ArchiveFormatError, read_archive_index
 from lightning_datastates.capture.layout import plan_layout
 from lightning_datastates.errors import ConfigError
 from lightning_datastates.load.integrity import verify_buffer, verify_file
+from lightning_datastates.plugin import pipeline_of
 from lightning_datastates.records.checksums import (
     WINDOW_BYTES,
     ChecksummingSession,
@@ -75,9 +76,9 @@ def _save(path: str, checkpoint: dict[str, Any], lazy: bool = False, **settings:
     if lazy:
         in_background(plugin, lazy=True)
     plugin.save_checkpoint(checkpoint, path)
-    plugin.barrier()
+    pipeline_of(plugin).barrier()
     plugin.teardown()
-    plugin.raise_pending_failure()
+    pipeline_of(plugin).raise_pending_failure()
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ from lightning_datastates import DataStatesIO
 from lightning_datastates.errors import CheckpointCorruptError
 from lightning_datastates.load import reader as reader_module
 from lightning_datastates.load.reader import load_checkpoint
+from lightning_datastates.plugin import pipeline_of
 from lightning_datastates.storage import LocalWriter
 from tests.conftest import assert_bit_equal, in_background
 
@@ -34,7 +35,7 @@ def _checkpoint(seed: int) -> dict:
 
 def _save(plugin: DataStatesIO, checkpoint: dict, path: str) -> None:
     plugin.save_checkpoint(checkpoint, path)  # outside fit: returns once committed
-    plugin.raise_pending_failure()
+    pipeline_of(plugin).raise_pending_failure()
 
 
 @pytest.mark.parametrize("verify", [True, False], ids=["verified", "unverified"])

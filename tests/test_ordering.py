@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lightning_datastates import CheckpointFlushError, DataStatesIO
+from lightning_datastates.plugin import pipeline_of
 from tests.conftest import GatedWriter, assert_bit_equal, in_background, temp_files
 
 
@@ -39,7 +40,7 @@ def test_load_of_pending_path_waits_for_its_write(tmp_path, gated_writer):
     gated_writer.gate.clear()
     expected = _checkpoint(1)
     plugin.save_checkpoint(expected, path)
-    assert plugin.is_pending(path) and not os.path.exists(path)
+    assert pipeline_of(plugin).is_pending(path) and not os.path.exists(path)
     _release_later(gated_writer)
     loaded = plugin.load_checkpoint(path, weights_only=True)
     assert_bit_equal(loaded, expected)
@@ -69,7 +70,7 @@ def test_remove_waits_for_the_newer_checkpoint_to_land(tmp_path, gated_writer):
     plugin.save_checkpoint(_checkpoint(2), second)
     plugin.remove_checkpoint(first)  # returns at once: no wait for the other path
     assert os.path.exists(first)  # still the only complete checkpoint on disk
-    assert not plugin.counts_as_existing(first, os.path.exists(first))  # ModelCheckpoint sees it removed
+    assert not pipeline_of(plugin).counts_as_existing(first, os.path.exists(first))  # ModelCheckpoint sees it removed
     gated_writer.gate.set()
     plugin.drain()
     assert not os.path.exists(first)
@@ -87,7 +88,7 @@ def test_remove_is_dropped_when_the_newer_checkpoint_fails(tmp_path, gated_write
     plugin.remove_checkpoint(first)
     plugin.drain()
     with pytest.raises(CheckpointFlushError):
-        plugin.raise_pending_failure()
+        pipeline_of(plugin).raise_pending_failure()
     assert not os.path.exists(second)
     assert_bit_equal(torch.load(first, weights_only=True), _checkpoint(1))  # the last good checkpoint is kept
     plugin.teardown()
@@ -115,12 +116,12 @@ def test_many_checkpoints_in_flight(tmp_path, gated_writer):
     most_pending = 0
     for seed, path in enumerate(paths):
         plugin.save_checkpoint(_checkpoint(seed), path)
-        most_pending = max(most_pending, sum(plugin.is_pending(p) for p in paths))
+        most_pending = max(most_pending, sum(pipeline_of(plugin).is_pending(p) for p in paths))
     assert most_pending >= 3
     plugin.drain()
     for seed, path in enumerate(paths):
         assert_bit_equal(torch.load(path, weights_only=True), _checkpoint(seed), path)
-    arena = plugin.engine.arena
+    arena = pipeline_of(plugin).engine.arena
     assert arena is not None and arena.peak_used_bytes <= arena.size_bytes == 16 * 2**20
     plugin.teardown()
 
@@ -131,7 +132,7 @@ def test_arena_smaller_than_one_checkpoint_streams(tmp_path):
     expected = _checkpoint(3, megabytes=8)
     plugin.save_checkpoint(expected, path)
     plugin.drain()
-    arena = plugin.engine.arena
+    arena = pipeline_of(plugin).engine.arena
     assert arena is not None and arena.size_bytes == 2**20
     assert arena.peak_used_bytes <= arena.size_bytes
     assert_bit_equal(torch.load(path, weights_only=True), expected)
@@ -160,10 +161,10 @@ def test_without_callback_everything_is_copied_before_save_returns(tmp_path, gat
 def test_teardown_stops_threads_and_plugin_restarts(tmp_path):
     plugin = in_background(DataStatesIO())
     plugin.save_checkpoint(_checkpoint(1), str(tmp_path / "a.ckpt"))
-    threads = plugin.engine._threads.running
+    threads = pipeline_of(plugin).engine._threads.running
     plugin.teardown()
     assert threads and not any(t.is_alive() for t in threads)
-    assert plugin.engine._threads.running == []
+    assert pipeline_of(plugin).engine._threads.running == []
     plugin.save_checkpoint(_checkpoint(2), str(tmp_path / "b.ckpt"))
     plugin.teardown()
     assert_bit_equal(torch.load(str(tmp_path / "b.ckpt"), weights_only=True), _checkpoint(2))
@@ -176,7 +177,7 @@ def test_outside_a_training_loop_save_returns_once_committed(tmp_path, gated_wri
     gated_writer.gate.clear()
     _release_later(gated_writer, delay_s=0.2)
     plugin.save_checkpoint(_checkpoint(7), path)
-    assert not plugin.is_pending(path) and temp_files(str(tmp_path)) == []
+    assert not pipeline_of(plugin).is_pending(path) and temp_files(str(tmp_path)) == []
     assert_bit_equal(torch.load(path, weights_only=True), _checkpoint(7))
     gated_writer.fail_on_write = gated_writer.writes + 1
     try:

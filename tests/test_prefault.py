@@ -19,6 +19,7 @@ from lightning_datastates.capture.admission import prepare_arena
 from lightning_datastates.config import DataStatesConfig
 from lightning_datastates.copy import prefault
 from lightning_datastates.copy.arena import HostArena
+from lightning_datastates.plugin import pipeline_of
 from tests.conftest import (
     BNModel,
     RecordingDataStatesIO,
@@ -168,7 +169,7 @@ def test_a_trainer_maps_the_arena_ahead_of_its_first_checkpoint(tmp_path) -> Non
     class Probe(RecordingDataStatesIO):
         def save_checkpoint(self, checkpoint, path, storage_options=None):
             if not at_first_save:
-                arena = self.engine.arena
+                arena = pipeline_of(self).engine.arena
                 # The probe waits (the plugin never does): mapping a small arena takes milliseconds.
                 at_first_save.append(0 if arena is None else arena.wait_prefaulted(30))
                 self.first_arena = arena
@@ -179,7 +180,8 @@ def test_a_trainer_maps_the_arena_ahead_of_its_first_checkpoint(tmp_path) -> Non
     trainer = make_trainer(str(tmp_path), plugin, [checkpoints], max_epochs=1)
     trainer.fit(BNModel(width=512), make_loader(n=128, batch_size=8))
     arena = plugin.first_arena
-    assert arena is plugin.engine.arena and at_first_save[0] > 0  # the arena the first save used, mapped ahead
+    # the arena the first save used, mapped ahead
+    assert arena is pipeline_of(plugin).engine.arena and at_first_save[0] > 0
     mapped = arena.buffer[: at_first_save[0]]
     assert _resident_pages(mapped) == mapped.numel() // PAGE_ALIGNMENT_BYTES
     assert not file_mismatches(plugin)

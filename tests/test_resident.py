@@ -26,6 +26,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_datastates import ConfigError, DataStatesIO
 from lightning_datastates.copy.arena import HostArena
 from lightning_datastates.load.resident import ResidentCounters
+from lightning_datastates.plugin import pipeline_of
 from lightning_datastates.storage.local import PositionalFileSession
 from lightning_datastates.streams import SegmentReader
 from tests.conftest import (
@@ -66,8 +67,8 @@ def test_with_write_through_every_checkpoint_loads_exactly_from_memory_or_storag
 
 
 def _counters(plugin: DataStatesIO) -> ResidentCounters:
-    assert plugin.engine.resident is not None
-    return plugin.engine.resident.counters
+    assert pipeline_of(plugin).engine.resident is not None
+    return pipeline_of(plugin).engine.resident.counters
 
 
 def _fit(tmp_path, plugin: DataStatesIO, callbacks=None, width: int = 256, **kwargs):
@@ -85,7 +86,7 @@ def _from_file(path: str):
 
 
 def _image_bytes(plugin: DataStatesIO, path: str) -> bytes:
-    reader = plugin.engine.open_resident(path)
+    reader = pipeline_of(plugin).engine.open_resident(path)
     assert reader is not None, f"{path} is not served from memory"
     with reader:
         return reader.read()
@@ -112,7 +113,7 @@ def test_after_fit_the_newest_checkpoint_loads_from_memory_exactly(tmp_path) -> 
         assert_bit_equal(loaded, _from_file(path), os.path.basename(path))
     assert _counters(plugin).hits == hits + 3 and _counters(plugin).misses == 0
     # Loaded tensors own their memory: nothing points into the arena (which later saves reuse).
-    arena = plugin.engine.arena
+    arena = pipeline_of(plugin).engine.arena
     assert arena is not None
     start, end = arena.buffer.data_ptr(), arena.buffer.data_ptr() + arena.size_bytes
     tensor = plugin.load_checkpoint(newest, weights_only=False)["state_dict"]["net.0.weight"]
@@ -123,7 +124,7 @@ def test_after_fit_the_newest_checkpoint_loads_from_memory_exactly(tmp_path) -> 
 def _assert_reads_match(plugin: DataStatesIO, path: str, expected: bytes) -> None:
     """The whole image equals the file; so do reads at random places and sizes (gaps and segment edges)."""
     assert _image_bytes(plugin, path) == expected
-    reader = plugin.engine.open_resident(path)
+    reader = pipeline_of(plugin).engine.open_resident(path)
     assert reader is not None
     rng = random.Random(0)
     with reader:
@@ -212,8 +213,8 @@ def test_serve_from_memory_false_never_serves_and_frees_every_block(tmp_path) ->
     plugin = DataStatesIO(serve_from_memory=False)
     trainer, model, directory = _fit(tmp_path, plugin)
     path = os.path.join(directory, "last.ckpt")
-    assert plugin.engine.resident is None and plugin.engine.open_resident(path) is None
-    assert plugin.engine.arena is not None and plugin.engine.arena.used_bytes == 0
+    assert pipeline_of(plugin).engine.resident is None and pipeline_of(plugin).engine.open_resident(path) is None
+    assert pipeline_of(plugin).engine.arena is not None and pipeline_of(plugin).engine.arena.used_bytes == 0
     assert_bit_equal(plugin.load_checkpoint(path, weights_only=False), _from_file(path))
     trainer.validate(model, make_loader(), ckpt_path="last", verbose=False)
     plugin.teardown()
@@ -224,8 +225,8 @@ def test_a_checkpoint_larger_than_the_arena_streams_through_it_and_is_read_from_
     plugin = DataStatesIO(host_cache="1MiB", chunk_size="128KiB")
     _, _, directory = _fit(tmp_path, plugin, width=512)  # about 3.5 MB per checkpoint
     path = os.path.join(directory, "last.ckpt")
-    assert os.path.getsize(path) > plugin.engine.arena.size_bytes  # type: ignore[union-attr]
-    assert plugin.engine.open_resident(path) is None
+    assert os.path.getsize(path) > pipeline_of(plugin).engine.arena.size_bytes  # type: ignore[union-attr]
+    assert pipeline_of(plugin).engine.open_resident(path) is None
     assert _counters(plugin).published == 0 and _counters(plugin).evictions > 0
     assert_bit_equal(plugin.load_checkpoint(path, weights_only=False), _from_file(path))
     plugin.teardown()
@@ -256,7 +257,7 @@ def test_two_checkpoints_sharing_one_host_copy_are_both_served(tmp_path, gated_w
     torch.manual_seed(0)
     trainer = quiet_trainer(str(tmp_path), [plugin], callbacks=callbacks, max_epochs=1)
     trainer.fit(BNModel(), make_loader())
-    assert plugin.engine.sharing_counters.shared_bytes > 0
+    assert pipeline_of(plugin).engine.sharing_counters.shared_bytes > 0
     best, last = top.best_model_path, os.path.join(directory, "last.ckpt")
     hits = _counters(plugin).hits
     for path in (best, last):
@@ -269,9 +270,10 @@ def test_retained_checkpoints_never_make_on_arena_full_skip(tmp_path) -> None:
     plugin = in_background(DataStatesIO(host_cache="1MiB", on_arena_full="skip"), lazy=True)
     for index in range(3):
         path = str(tmp_path / f"{index}.ckpt")
-        stats = plugin.engine.capture(_checkpoint(index, 700 * KiB), path, plugin.writer_for(path), lambda s: True)
-        plugin.engine.wait_copies()
-        plugin.engine.wait_path(path)
+        pipeline = pipeline_of(plugin)
+        stats = pipeline.engine.capture(_checkpoint(index, 700 * KiB), path, pipeline.writer_for(path), lambda s: True)
+        pipeline.engine.wait_copies()
+        pipeline.engine.wait_path(path)
         assert stats.state == "committed"
     assert _counters(plugin).evictions >= 1
     plugin.teardown()
@@ -284,11 +286,11 @@ def test_a_leased_image_is_not_evicted_the_allocation_waits_for_the_lease(tmp_pa
     plugin.save_checkpoint(_checkpoint(1, 900 * KiB), first)
     with open(first, "rb") as file:
         expected = file.read()
-    reader = plugin.engine.open_resident(first)
+    reader = pipeline_of(plugin).engine.open_resident(first)
     assert reader is not None
     saver = threading.Thread(target=plugin.save_checkpoint, args=(_checkpoint(2, 700 * KiB), second))
     saver.start()
-    resident = plugin.engine.resident
+    resident = pipeline_of(plugin).engine.resident
     assert resident is not None
     while first in resident.published_paths():  # the save evicts what it can; the leased image is doomed instead
         assert saver.is_alive(), "the save finished without the leased image's space"
@@ -354,7 +356,7 @@ def test_serve_from_memory_is_validated_and_read_from_a_lightning_cli_yaml(tmp_p
         tmp_path, "local.yaml", "--config", str(override), f"--trainer.callbacks.init_args.dirpath={tmp_path}"
     )
     plugin = _plugin(cli)
-    assert plugin.config.serve_from_memory is False and plugin.engine.resident is None
+    assert plugin.config.serve_from_memory is False and pipeline_of(plugin).engine.resident is None
 
 
 def test_segment_reader_copies_large_writable_segments_exactly() -> None:

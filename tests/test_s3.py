@@ -25,6 +25,7 @@ from lightning_datastates import CheckpointFlushError, DataStatesIO
 from lightning_datastates.compat.lightning import override_file_exists
 from lightning_datastates.errors import ConfigError
 from lightning_datastates.load.reader import load_checkpoint
+from lightning_datastates.plugin import pipeline_of
 from lightning_datastates.storage import writer_for
 from lightning_datastates.storage.s3 import (
     MAX_PART_BYTES,
@@ -423,7 +424,7 @@ def test_plugin_multipart_checkpoint_with_storage_options_instead_of_env(s3, mon
     path = s3.url("run/big.ckpt")
     plugin.save_checkpoint(checkpoint, path)
     plugin.drain()
-    plugin.raise_pending_failure()
+    pipeline_of(plugin).raise_pending_failure()
     size = s3.client.head_object(Bucket=s3.bucket, Key="run/big.ckpt")["ContentLength"]
     assert size > 3 * P and s3.etag("run/big.ckpt").strip('"').endswith(f"-{math.ceil(size / P)}")
     assert_bit_equal(plugin.load_checkpoint(path, weights_only=True), checkpoint)
@@ -487,21 +488,21 @@ def test_server_killed_mid_upload_fails_loudly_and_the_plugin_recovers(moto_proc
     plugin.save_checkpoint({"state_dict": {"w": torch.randn(32 * MiB)}}, path)  # 128 MiB: ~26 parts, one at a time
     deadline = time.monotonic() + 30
     while _parts_received(env, "run/big.ckpt") == 0:  # kill mid-transfer: some parts stored, the rest to come
-        assert time.monotonic() < deadline and plugin.is_pending(path)
+        assert time.monotonic() < deadline and pipeline_of(plugin).is_pending(path)
         time.sleep(0.01)
     server.kill()
     failure = _failure_within(plugin, 30)
     assert failure.path == path and path in str(failure) and isinstance(failure.__cause__, OSError)
     assert "part" in str(failure.__cause__) and "part 1/" not in str(failure.__cause__)
     plugin.drain()
-    plugin.raise_pending_failure()  # raised once: nothing more
+    pipeline_of(plugin).raise_pending_failure()  # raised once: nothing more
 
     server.start()  # the same port; moto lost every bucket and upload with the process
     env = fresh_bucket(server.endpoint, reset=False)
     small = {"state_dict": {"w": torch.randn(3 * MiB)}, "step": 2}  # 12 MiB: multipart again
     plugin.save_checkpoint(small, path)
     plugin.drain()
-    plugin.raise_pending_failure()
+    pipeline_of(plugin).raise_pending_failure()
     assert_bit_equal(plugin.load_checkpoint(path, weights_only=True), small)
     assert env.open_uploads() == []
 
@@ -512,7 +513,7 @@ def _failure_within(plugin: DataStatesIO, seconds: float) -> CheckpointFlushErro
     while True:
         assert time.monotonic() - started < seconds, f"the failure did not reach the training thread within {seconds} s"
         try:
-            plugin.raise_pending_failure()
+            pipeline_of(plugin).raise_pending_failure()
         except CheckpointFlushError as exc:
             return exc
         time.sleep(0.05)
@@ -533,12 +534,12 @@ def test_server_stalled_mid_upload_fails_within_seconds_and_the_previous_checkpo
     earlier = {"state_dict": {"w": torch.randn(3 * MiB)}, "step": 1}  # 12 MiB: three parts
     plugin.save_checkpoint(earlier, path)
     plugin.drain()
-    plugin.raise_pending_failure()
+    pipeline_of(plugin).raise_pending_failure()
     earlier_bytes = env.read("run/model.ckpt")
     plugin.save_checkpoint({"state_dict": {"w": torch.randn(32 * MiB)}, "step": 2}, path)  # 128 MiB, one part at a time
     deadline = time.monotonic() + 30
     while _parts_received(env, "run/model.ckpt") == 0:
-        assert time.monotonic() < deadline and plugin.is_pending(path)
+        assert time.monotonic() < deadline and pipeline_of(plugin).is_pending(path)
         time.sleep(0.01)
     server.pause()
     stalled = time.monotonic()
@@ -553,7 +554,7 @@ def test_server_stalled_mid_upload_fails_within_seconds_and_the_previous_checkpo
     assert env.read("run/model.ckpt") == earlier_bytes  # the earlier checkpoint, whole; nothing partial
     assert_bit_equal(plugin.load_checkpoint(path, weights_only=True), earlier)
     # The abort was sent while the server slept; if it was lost, the next run's clean-up (here: now) aborts it.
-    plugin.clean_stale("s3://bucket/run")
+    pipeline_of(plugin).clean_stale("s3://bucket/run")
     assert env.open_uploads() == []
     assert [k for k in env.keys("run/") if k != "run/model.ckpt"] == []  # the upload marker went with it
     plugin.teardown()
@@ -569,12 +570,13 @@ def test_many_lazy_checkpoints_with_removals_keep_exactly_the_survivors_bit_exac
         checkpoint = {"state_dict": {"w": weights[:size], "b": torch.full((5,), step)}, "step": step}
         expected[step] = {"state_dict": {"w": weights[:size].clone(), "b": torch.full((5,), step)}, "step": step}
         plugin.save_checkpoint(checkpoint, s3.url(f"run/step={step:02d}.ckpt"))
-        plugin.barrier()  # as the callback does before the optimizer step: copies done, training may mutate
+        # as the callback does before the optimizer step: copies done, training may mutate
+        pipeline_of(plugin).barrier()
         weights.add_(1)  # the optimizer step: the files must not see it
         if step >= 3:
             plugin.remove_checkpoint(s3.url(f"run/step={step - 3:02d}.ckpt"))  # keep the last three
     plugin.drain()
-    plugin.raise_pending_failure()
+    pipeline_of(plugin).raise_pending_failure()
     assert s3.keys("run/") == [f"run/step={step}.ckpt" for step in (21, 22, 23)]
     for step in (21, 22, 23):
         assert_bit_equal(plugin.load_checkpoint(s3.url(f"run/step={step}.ckpt"), weights_only=True), expected[step])

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-import lightning_datastates.plugin as plugin_module
+import lightning_datastates.pipeline as pipeline_module
 from lightning_datastates import DataStatesIO
 from lightning_datastates.errors import CheckpointFlushError
 from lightning_datastates.records.names import DCP_METADATA_NAME, LIGHTNING_META_NAME, PENDING_SUFFIX, REMOVING_SUFFIX
@@ -220,13 +220,13 @@ def test_a_sharded_fit_cleans_its_checkpoint_directory_once(tmp_path, monkeypatc
     """The callback's setup and the first sharded save both want the directory clean: one scan (on S3, one LIST per
     subdirectory) is enough."""
     cleaned: list[str] = []
-    real = plugin_module.clean_leftovers
+    real = pipeline_module.clean_leftovers
 
     def counting(writer, directory, max_age_s):
         cleaned.append(directory)
         return real(writer, directory, max_age_s)
 
-    monkeypatch.setattr(plugin_module, "clean_leftovers", counting)
+    monkeypatch.setattr(pipeline_module, "clean_leftovers", counting)
     directory = tmp_path / "ckpt"
     checkpoint = ModelCheckpoint(dirpath=str(directory), every_n_train_steps=2, save_top_k=-1, save_last=True)
     _one_process_fit(tmp_path, monkeypatch, DataStatesIO(), checkpoint, model=_ShardedBNModel)

@@ -24,6 +24,7 @@ from lightning_datastates import DataStatesIO
 from lightning_datastates.alignment import align_up
 from lightning_datastates.compat.torch import local_shard
 from lightning_datastates.errors import CheckpointCaptureError, CheckpointFlushError
+from lightning_datastates.plugin import pipeline_of
 from lightning_datastates.records.names import DCP_METADATA_NAME, LIGHTNING_META_NAME, PENDING_SUFFIX
 from lightning_datastates.sharded.commit import ShardedSave
 from lightning_datastates.sharded.dcp_writer import plan_checkpoint
@@ -286,7 +287,7 @@ def test_fit_with_ckpt_path_last_resumes_from_the_sharded_last_checkpoint(tmp_pa
     fit("first", 1)
     if half_way:
         last = f"{directory}/last.ckpt"
-        writer = DataStatesIO(storage_options=options).writer_for(last)
+        writer = pipeline_of(DataStatesIO(storage_options=options)).writer_for(last)
         metadata, meta = (
             bytes(writer.read_bytes(f"{last}/{name}")) for name in (DCP_METADATA_NAME, LIGHTNING_META_NAME)
         )
@@ -422,10 +423,10 @@ class _RemoveThenSaveAgain(L.Callback):
             self.hold.clear()
             trainer.save_checkpoint(str(self.directory / "other.ckpt"))
             trainer.strategy.remove_checkpoint(user)
-            self.deferred = trainer.strategy.checkpoint_io.engine.is_removal_deferred(user)
+            self.deferred = pipeline_of(trainer.strategy.checkpoint_io).engine.is_removal_deferred(user)
             trainer.save_checkpoint(user)
             self.state_at_save = {k: local_shard(v).detach().clone() for k, v in pl_module.state_dict().items()}
-            self.pending = trainer.strategy.checkpoint_io.is_pending(user)  # its commit is held
+            self.pending = pipeline_of(trainer.strategy.checkpoint_io).is_pending(user)  # its commit is held
             self.hold.set()
 
 
@@ -447,7 +448,7 @@ def test_a_path_removed_while_commits_are_pending_then_saved_again_keeps_the_new
     checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "unused"), save_top_k=0)
     _one_process_fit(tmp_path, monkeypatch, DataStatesIO(), checkpoint, callbacks=[callback])
     assert callback.deferred, "the removal should have waited behind the pending save of other.ckpt"
-    assert callback.pending  # DataStatesIO.is_pending knows the directory's commit is still to come
+    assert callback.pending  # the pipeline's is_pending knows the directory's commit is still to come
     directory = tmp_path / "ckpt" / "user.ckpt"
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["other.ckpt", "user.ckpt"]
     assert torch.load(directory / LIGHTNING_META_NAME, weights_only=False)["global_step"] == 3
@@ -554,7 +555,7 @@ def test_a_ranks_arena_maps_one_checkpoint_of_shards_ahead(tmp_path, monkeypatch
     _one_process_fit(tmp_path, monkeypatch, plugin, checkpoint, model=_ShardedBNModel)
     ((request, keeps_written),) = requests
     assert not keeps_written
-    assert plugin.engine.arena.wait_prefaulted(30) == align_up(request)
+    assert pipeline_of(plugin).engine.arena.wait_prefaulted(30) == align_up(request)
 
 
 def test_dcp_plans_each_save_with_automatic_collection_paused(tmp_path, monkeypatch):
@@ -634,7 +635,7 @@ def test_shard_files_give_their_arena_blocks_back_once_written(tmp_path, monkeyp
     assert plugin.config.serve_from_memory
     checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=1, save_top_k=-1)
     _one_process_fit(tmp_path, monkeypatch, plugin, checkpoint)
-    engine = plugin.engine
+    engine = pipeline_of(plugin).engine
     assert len(os.listdir(tmp_path / "ckpt")) == 4 and engine.arena is not None and engine.resident is not None
     assert engine.arena.peak_used_bytes > 0  # the shards went through the arena ...
     assert engine.arena.used_bytes == 0 and engine.resident.counters.published == 0  # ... and nothing stayed there

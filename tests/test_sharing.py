@@ -8,6 +8,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_datastates import DataStatesIO
+from lightning_datastates.plugin import pipeline_of
 from tests.conftest import (
     BNModel,
     assert_bit_equal,
@@ -65,7 +66,7 @@ def test_checkpoints_of_one_step_share_one_host_copy(tmp_path, slow_copies, gate
     assert removed  # top-k removals ran while the files they replace were still being written
     assert file_mismatches(plugin, removed) == []
     assert temp_files(str(tmp_path)) == []
-    counters = plugin.engine.sharing_counters
+    counters = pipeline_of(plugin).engine.sharing_counters
     # Every payload byte of every file was either copied into the arena or written from another file's copy.
     assert counters.copied_bytes + counters.shared_bytes == sum(s.payload_bytes for s in plugin.stats)
     # One copy per step, not one per file: the step's other files took their tensors from the first one's blocks.
@@ -84,10 +85,10 @@ def test_follower_completes_when_the_shared_copy_is_cancelled(tmp_path, gated_wr
     gated_writer.gate.clear()
     plugin.save_checkpoint(checkpoint, first)
     plugin.save_checkpoint({**checkpoint, "step": 2}, second)
-    assert plugin.engine.sharing_counters.shared_bytes == checkpoint["state_dict"]["w"].nbytes
+    assert pipeline_of(plugin).engine.sharing_counters.shared_bytes == checkpoint["state_dict"]["w"].nbytes
     gated_writer.gate.set()
     plugin.remove_checkpoint(first)
-    plugin.barrier()
+    pipeline_of(plugin).barrier()
     plugin.drain()
     assert not os.path.exists(first)
     assert_bit_equal(torch.load(second, weights_only=True), {**checkpoint, "step": 2})
@@ -100,12 +101,12 @@ def test_no_sharing_across_a_barrier(tmp_path, gated_writer):
     weight = torch.zeros(2**18)
     gated_writer.gate.clear()
     plugin.save_checkpoint({"w": weight}, str(tmp_path / "a.ckpt"))
-    plugin.barrier()  # what the callback does before the optimizer step
+    pipeline_of(plugin).barrier()  # what the callback does before the optimizer step
     weight.add_(1.0)
     plugin.save_checkpoint({"w": weight}, str(tmp_path / "b.ckpt"))
-    assert plugin.engine.sharing_counters.shared_bytes == 0
+    assert pipeline_of(plugin).engine.sharing_counters.shared_bytes == 0
     gated_writer.gate.set()
-    plugin.barrier()
+    pipeline_of(plugin).barrier()
     plugin.drain()
     assert torch.load(tmp_path / "a.ckpt", weights_only=True)["w"].sum() == 0
     assert torch.equal(torch.load(tmp_path / "b.ckpt", weights_only=True)["w"], weight)

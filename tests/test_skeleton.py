@@ -22,6 +22,7 @@ from lightning_datastates.capture.planning import LayoutPlanner
 from lightning_datastates.capture.skeleton import PickledSkeleton, SkeletonUnsupported, pickle_skeleton
 from lightning_datastates.capture.verified import VerifiedStructures
 from lightning_datastates.compat.torch import storage_identity
+from lightning_datastates.plugin import pipeline_of
 from tests.conftest import (
     BNModel,
     RecordingDataStatesIO,
@@ -271,7 +272,7 @@ def test_a_real_trainers_saves_take_the_fast_path_and_its_files_hold_each_saves_
     plugin = _TorchSavesInSaveCalls(_count_torch_saves(monkeypatch))
     trainer = make_trainer(str(tmp_path), plugin, [every_step_checkpoint(str(tmp_path / "ckpt"))])
     trainer.fit(BNModel(), make_loader())
-    verified = plugin.engine._layouts._verified_structures
+    verified = pipeline_of(plugin).engine._layouts._verified_structures
     assert verified.confirmed and verified.refused is None
     assert len(plugin.in_save_calls) >= 16 and set(plugin.in_save_calls) == {0}, plugin.in_save_calls
     assert verified.spliced >= len(plugin.in_save_calls) - 4, f"{verified.spliced} of {len(plugin.in_save_calls)}"

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from lightning_datastates import DataStatesIO
+from lightning_datastates.plugin import pipeline_of
 from lightning_datastates.records.through import WriteThrough
 from lightning_datastates.storage.local import LocalWriter, LocalWriteSession
 from tests.conftest import assert_bit_equal, in_background
@@ -41,7 +42,7 @@ def test_save_outside_the_loop_writes_host_tensors_without_copying_them(tmp_path
     plugin.save_checkpoint(checkpoint, str(tmp_path / "a.ckpt"))
     assert_bit_equal(torch.load(tmp_path / "a.ckpt", weights_only=True), checkpoint)
     # Only the small eager tensor went through the arena; the 16 MiB of weights went straight to the file.
-    assert plugin.engine.sharing_counters.copied_bytes < 64 * 1024
+    assert pipeline_of(plugin).engine.sharing_counters.copied_bytes < 64 * 1024
     plugin.teardown()
 
 
@@ -51,14 +52,14 @@ def test_arena_path_when_write_through_is_off_or_writes_are_slow(tmp_path):
     arena_only.config = dataclasses.replace(arena_only.config, write_through=False)
     plugins = [("off", arena_only)]
     direct_io = DataStatesIO()  # the default: O_DIRECT writes wait for the device, so they are not "fast"
-    probe = direct_io.writer_for(str(tmp_path / "probe.ckpt")).begin(str(tmp_path / "probe.ckpt"), 0)
+    probe = pipeline_of(direct_io).writer_for(str(tmp_path / "probe.ckpt")).begin(str(tmp_path / "probe.ckpt"), 0)
     probe.abort()
     if not probe.fast_writes:
         plugins.append(("direct", direct_io))  # the file system takes O_DIRECT
     for name, plugin in plugins:
         plugin.save_checkpoint(checkpoint, str(tmp_path / f"{name}.ckpt"))
         assert_bit_equal(torch.load(tmp_path / f"{name}.ckpt", weights_only=True), checkpoint)
-        assert plugin.engine.sharing_counters.copied_bytes >= _payload_bytes(checkpoint), name
+        assert pipeline_of(plugin).engine.sharing_counters.copied_bytes >= _payload_bytes(checkpoint), name
         plugin.teardown()
 
 
@@ -93,7 +94,7 @@ def _save_with_first_chunk_held(tmp_path, monkeypatch) -> tuple[DataStatesIO, _H
     otherwise take every chunk before the writer starts (correct, but then nothing is written through).
     """
     writer = _HeldWriter()
-    monkeypatch.setattr("lightning_datastates.plugin.writer_for", lambda path, storage_options=None, **_: writer)
+    monkeypatch.setattr("lightning_datastates.pipeline.writer_for", lambda path, storage_options=None, **_: writer)
     take_last = WriteThrough.take_last
 
     def take_last_once_the_writer_holds_a_chunk(self: WriteThrough) -> Any:
@@ -112,7 +113,7 @@ def test_barrier_waits_for_chunks_in_flight_and_copies_the_rest(tmp_path, monkey
     plugin, writer, checkpoint, expected = _save_with_first_chunk_held(tmp_path, monkeypatch)
     assert writer.entered.wait(timeout=30), "no chunk was written from the training tensors"
 
-    barrier = threading.Thread(target=plugin.barrier)
+    barrier = threading.Thread(target=pipeline_of(plugin).barrier)
     barrier.start()
     barrier.join(timeout=0.5)
     # The one writer is inside a chunk it reads from the training tensors: the barrier must not return yet.
@@ -124,7 +125,7 @@ def test_barrier_waits_for_chunks_in_flight_and_copies_the_rest(tmp_path, monkey
         tensor.zero_()  # the optimizer step: after the barrier the state may change
     plugin.drain()
     assert_bit_equal(torch.load(tmp_path / "a.ckpt", weights_only=True), expected)
-    copied = plugin.engine.sharing_counters.copied_bytes - expected["small"].untyped_storage().nbytes()
+    copied = pipeline_of(plugin).engine.sharing_counters.copied_bytes - expected["small"].untyped_storage().nbytes()
     # One chunk went straight to the file; the chunks nobody had started were copied into the arena at the barrier.
     assert MiB <= _payload_bytes(expected) - copied <= 2 * MiB
     plugin.teardown()
@@ -136,14 +137,15 @@ def test_in_the_loop_the_copier_takes_chunks_from_the_back_without_waiting_for_t
     small = expected["small"].untyped_storage().nbytes()
     # The one writer holds the first chunk (from the tensors); no barrier yet: the copier copies the rest anyway.
     deadline = time.monotonic() + 30
-    while plugin.engine.sharing_counters.copied_bytes - small < _payload_bytes(expected) - MiB:
+    while pipeline_of(plugin).engine.sharing_counters.copied_bytes - small < _payload_bytes(expected) - MiB:
         assert time.monotonic() < deadline, "the copier waited instead of copying from the back"
         time.sleep(0.01)
     writer.release.set()
-    plugin.barrier()
+    pipeline_of(plugin).barrier()
     for tensor in checkpoint["state_dict"].values():
         tensor.zero_()
     plugin.drain()
     assert_bit_equal(torch.load(tmp_path / "a.ckpt", weights_only=True), expected)
-    assert plugin.engine.sharing_counters.copied_bytes - small == _payload_bytes(expected) - MiB  # none twice
+    copied = pipeline_of(plugin).engine.sharing_counters.copied_bytes - small
+    assert copied == _payload_bytes(expected) - MiB  # none twice
     plugin.teardown()

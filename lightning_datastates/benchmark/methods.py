@@ -34,7 +34,9 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO, CheckpointIO, TorchC
 from lightning_datastates.benchmark.choices import METHODS
 from lightning_datastates.benchmark.dcp import DcpAsyncIO, DcpBarrier
 from lightning_datastates.benchmark.recording import Fsyncer, Recorder, fsync_path, is_local, mark_saved
-from lightning_datastates.plugin import DataStatesIO
+from lightning_datastates.config import DataStatesConfig
+from lightning_datastates.pipeline import CheckpointPipeline
+from lightning_datastates.plugin import DataStatesIO, pipeline_of
 
 
 class BenchTorchIO(TorchCheckpointIO):
@@ -93,16 +95,33 @@ class BenchAsyncIO(AsyncCheckpointIO):
         mark_saved(self.recorder, record, start)
 
 
+class BenchPipeline(CheckpointPipeline):
+    """The plugin's pipeline with its barrier timed for the timeline (training thread, from the callback)."""
+
+    def __init__(self, config: DataStatesConfig, recorder: Recorder) -> None:
+        super().__init__(config)
+        self.recorder = recorder
+
+    def barrier(self) -> float:
+        """The plugin's barrier, timed for the timeline (its engine attributes the wait to a checkpoint)."""
+        start = time.perf_counter()
+        waited = super().barrier()
+        if waited > 0:
+            self.recorder.waited(None, start, time.perf_counter())
+        return waited
+
+
 class BenchDataStatesIO(DataStatesIO):
     """DataStatesIO, timed; ``wait_durable`` (a self-test knob) makes each save wait for its commit, to prove the
     blocked-time gate fails when the lazy path is broken.
 
-    1) :meth:`save_checkpoint` and :meth:`barrier` on the training thread 2) :meth:`finish_records` after ``fit``.
+    1) :meth:`save_checkpoint` and the pipeline's barrier (:class:`BenchPipeline`) on the training thread
+    2) :meth:`finish_records` after ``fit``.
     """
 
     def __init__(self, recorder: Recorder, wait_durable: bool = False, **options: Any) -> None:
+        self.recorder, self.wait_durable = recorder, wait_durable  # before the plugin's __init__ makes the pipeline
         super().__init__(**options)
-        self.recorder, self.wait_durable = recorder, wait_durable
         self._records: dict[int, dict[str, Any]] = {}
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
@@ -112,17 +131,12 @@ class BenchDataStatesIO(DataStatesIO):
         record["flush_start"] = start
         super().save_checkpoint(checkpoint, path, storage_options)
         if self.wait_durable:
-            self.engine.wait_path(os.fspath(path))
+            pipeline_of(self).engine.wait_path(os.fspath(path))
         self._records[id(self.stats[-1])] = record
         mark_saved(self.recorder, record, start)
 
-    def barrier(self) -> float:
-        """The plugin's barrier, timed for the timeline (its engine attributes the wait to a checkpoint)."""
-        start = time.perf_counter()
-        waited = super().barrier()
-        if waited > 0:
-            self.recorder.waited(None, start, time.perf_counter())
-        return waited
+    def _new_pipeline(self, config: DataStatesConfig) -> CheckpointPipeline:
+        return BenchPipeline(config, self.recorder)
 
     def finish_records(self) -> None:
         """Copy the engine's per-checkpoint figures into the records (after fit)."""

@@ -34,6 +34,7 @@ from lightning_datastates.benchmark.choices import MODELS, SEED
 from lightning_datastates.benchmark.dcp import stager_survives_staging, staging_options
 from lightning_datastates.benchmark.worker import peak_rss_bytes, process_cpu_s, reset_peak_rss, resident_bytes
 from lightning_datastates.compat.torch import local_shard
+from lightning_datastates.plugin import pipeline_of
 
 #: The methods of the sharded benchmark, in the order of its report.
 SHARDED_METHODS = ("none", "sync", "dcp", "datastates")
@@ -167,7 +168,7 @@ def _arena_figures(plugin: Any) -> dict[str, int | None] | None:
     methods). The arena never gives pages back while it is open, so what is resident after ``fit`` is its peak: the
     part of the extra host memory the arena holds, measured directly, where the peak RSS moves with the rest of the
     process."""
-    arena = plugin.engine.arena if isinstance(plugin, DataStatesIO) else None
+    arena = pipeline_of(plugin).engine.arena if isinstance(plugin, DataStatesIO) else None
     if arena is None:
         return None
     return {

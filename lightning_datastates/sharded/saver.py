@@ -33,7 +33,8 @@ from lightning_datastates.storage.local import is_local_path, local_path
 
 
 class SaverHost(Protocol):
-    """What the saver needs from the plugin (all on the training thread)."""
+    """What the saver needs from the plugin's :class:`~lightning_datastates.pipeline.CheckpointPipeline` (all on the
+    training thread)."""
 
     @property
     def engine(self) -> SnapshotEngine:
