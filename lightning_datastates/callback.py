@@ -80,8 +80,26 @@ class DataStatesCallback(Callback):
         for checkpoint_callback in trainer.checkpoint_callbacks:
             if isinstance(checkpoint_callback, ModelCheckpoint):
                 self._patch_file_exists(checkpoint_callback, plugin)
-                if trainer.is_global_zero and checkpoint_callback.dirpath:
-                    pipeline.clean_stale(str(checkpoint_callback.dirpath))
+        self._clean_checkpoint_directories(trainer)
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Clean the checkpoint directories that :meth:`setup` could not: a ``ModelCheckpoint`` derives its
+        ``dirpath`` (from the logger) in its own setup, which Lightning runs after ours. A sharded checkpoint is
+        restored after this hook (``restore_checkpoint_after_setup``), and a directory whose switch a dead run left
+        half-way must be completed first: every rank waits here for rank 0's cleanup."""
+        if self._plugin is None:
+            return
+        self._clean_checkpoint_directories(trainer)
+        if pipeline_of(self._plugin).saves_sharded:
+            trainer.strategy.barrier("lightning_datastates: checkpoint directories cleaned")
+
+    def _clean_checkpoint_directories(self, trainer: Trainer) -> None:
+        """Rank 0: remove what dead runs left in each ``ModelCheckpoint``'s directory, once per directory and run."""
+        if self._plugin is None or not trainer.is_global_zero:
+            return
+        for checkpoint_callback in trainer.checkpoint_callbacks:
+            if isinstance(checkpoint_callback, ModelCheckpoint) and checkpoint_callback.dirpath:
+                pipeline_of(self._plugin).clean_once(str(checkpoint_callback.dirpath))
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Undo :meth:`setup` (the plugin's own teardown drains the writes)."""

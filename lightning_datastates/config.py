@@ -47,7 +47,7 @@ MAX_ALIGNMENT = 16 * 1024**2
 _SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 #: Leftovers whose writer cannot be asked whether it is alive (a temporary file of another host, an S3 upload with no
 #: marker) are removed by ``StorageWriter.clean_stale`` once they are this old (by default; the rule is
-#: :mod:`~lightning_datastates.storage.leftovers`'s).
+#: :mod:`~lightning_datastates.records.leftovers`'s).
 DEFAULT_STALE_AGE_S = 3600.0
 
 

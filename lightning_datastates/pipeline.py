@@ -82,7 +82,7 @@ class CheckpointPipeline:
         directory = os.path.dirname(path) or "."
         lazy, awaits_commit = self.lazy_for_save()
         try:
-            self.clean_stale(directory)
+            self.clean_once(directory)
             self.engine.pending.before_save(path)  # a removal of this path held back must not delete the new file
             with sigint_deferred():  # Ctrl+C must not split a capture (see interrupts.py)
                 stats = self.engine.capture(checkpoint, path, writer, lazy, awaits_commit=awaits_commit)
@@ -226,12 +226,18 @@ class CheckpointPipeline:
             error = flush_error(failed)
             raise error from error.__cause__
 
-    def clean_stale(self, directory: str) -> list[str]:
-        """Remove what crashed runs left in ``directory`` (temporary files, open uploads, sharded saves that died,
-        removals that died half-way): once per directory and run, whoever asks first (the callback's setup, a save)."""
+    def clean_once(self, directory: str) -> list[str]:
+        """:meth:`clean_stale` of ``directory`` once per run, whoever asks first (the callback's setup or fit start, a
+        single-file save, a sharded save's announcement); the paths removed (none when it was cleaned already)."""
         directory = directory.rstrip("/") or "/"
         if directory in self._cleaned_directories:
             return []
+        return self.clean_stale(directory)
+
+    def clean_stale(self, directory: str) -> list[str]:
+        """Remove what crashed runs left in ``directory`` (temporary files, open uploads, sharded saves that died,
+        removals that died half-way), now; the paths removed."""
+        directory = directory.rstrip("/") or "/"
         self._cleaned_directories.add(directory)
         removed = clean_leftovers(self.writer_for(directory), directory, self.config.stale_after_s)
         if removed:

@@ -21,8 +21,8 @@ from lightning_datastates import DataStatesIO
 from lightning_datastates.archive import read_archive_index
 from lightning_datastates.cli import main, summarize
 from lightning_datastates.plugin import pipeline_of
+from lightning_datastates.records.leftovers import host_tag
 from lightning_datastates.records.names import PENDING_SUFFIX
-from lightning_datastates.storage.leftovers import host_tag
 from tests.conftest import BNModel, dead_pid, every_step_checkpoint, make_loader, make_trainer, temp_files
 from tests.s3_server import require_s3, s3_endpoint_fixture, s3_fixture  # noqa: F401 - fixtures
 from tests.test_integrity import torch_crc_off

@@ -1,8 +1,8 @@
-"""The rule for leftovers of dead writers (storage/leftovers.py), pure: names and who is gone."""
+"""The rule for leftovers of dead writers (records/leftovers.py), pure: names and who is gone."""
 
 from __future__ import annotations
 
-from lightning_datastates.storage.leftovers import (
+from lightning_datastates.records.leftovers import (
     TEMP_SUFFIX,
     LeftoverOwner,
     leftover_name,

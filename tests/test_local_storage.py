@@ -19,8 +19,8 @@ import pytest
 
 import lightning_datastates
 from lightning_datastates.config import DEFAULT_STALE_AGE_S
+from lightning_datastates.records.leftovers import TEMP_SUFFIX, host_tag
 from lightning_datastates.storage import LocalWriter, writer_for
-from lightning_datastates.storage.leftovers import TEMP_SUFFIX, host_tag
 from tests.conftest import dead_pid
 from tests.test_storage_contract import JOIN_S
 

@@ -26,6 +26,7 @@ WIRING = {
     "is_pending",
     "raise_pending_failure",
     "clean_stale",
+    "clean_once",
     "arena_occupancy",
     "enable_sharded",
     "disable_sharded",

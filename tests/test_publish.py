@@ -257,7 +257,7 @@ def test_on_s3_the_cleanup_leaves_one_whole_checkpoint_after_a_switch_stopped_an
     operations by a run that died (its marker left, naming a dead process): the next run's cleanup, through the S3
     writer (listing, the record read back, single-key and batch deletes, PUTs), leaves step 1 where ``meta.pt`` had
     not been removed yet, step 2 from then on, and nothing else in the directory."""
-    from lightning_datastates.storage.leftovers import host_tag
+    from lightning_datastates.records.leftovers import host_tag
     from lightning_datastates.storage.s3 import S3Writer
 
     local = tmp_path / "local" / "last.ckpt"

@@ -715,7 +715,7 @@ def test_the_last_checkpoint_at_a_url_is_found_when_written_after_a_cached_listi
     callback._fs.ls(s3.url("listed"))  # as ModelCheckpoint's setup does: the listing is cached
     s3.put("listed/last.ckpt", b"the last checkpoint")  # behind the cache, as the plugin's writers do
     trainer = SimpleNamespace(callbacks=[callback], checkpoint_callbacks=[callback])
-    assert newest_last_checkpoint(trainer) == s3.url("listed/last.ckpt")  # type: ignore[arg-type]
+    assert newest_last_checkpoint(trainer, 3600.0) == s3.url("listed/last.ckpt")  # type: ignore[arg-type]
 
 
 def test_the_last_checkpoint_at_a_url_skips_a_directory_that_is_no_checkpoint(s3):
@@ -723,15 +723,15 @@ def test_the_last_checkpoint_at_a_url_skips_a_directory_that_is_no_checkpoint(s3
     new: the newest committed ``last*.ckpt`` is."""
     from types import SimpleNamespace
 
-    from lightning_datastates.compat.last_checkpoint import newest_last_checkpoint
+    from lightning_datastates.compat.last_checkpoint import NO_CANDIDATE, newest_last_checkpoint
 
     callback = ModelCheckpoint(dirpath="s3://bucket/candidates")
     trainer = SimpleNamespace(callbacks=[callback], checkpoint_callbacks=[callback])
-    assert newest_last_checkpoint(trainer) is None  # type: ignore[arg-type]
+    assert newest_last_checkpoint(trainer, 3600.0) is NO_CANDIDATE  # type: ignore[arg-type]
     s3.put("candidates/last-v1.ckpt", b"a committed single file")
     s3.put("candidates/epoch=0-step=4.ckpt", b"not a last checkpoint")
     time.sleep(1.1)  # S3 dates objects to the second
     s3.put("candidates/last.ckpt/.metadata", b"a sharded save in flight: no meta.pt yet")
-    assert newest_last_checkpoint(trainer) == "s3://bucket/candidates/last-v1.ckpt"  # type: ignore[arg-type]
+    assert newest_last_checkpoint(trainer, 3600.0) == "s3://bucket/candidates/last-v1.ckpt"  # type: ignore[arg-type]
     s3.put("candidates/last.ckpt/meta.pt", b"committed")
-    assert newest_last_checkpoint(trainer) == "s3://bucket/candidates/last.ckpt"  # type: ignore[arg-type]
+    assert newest_last_checkpoint(trainer, 3600.0) == "s3://bucket/candidates/last.ckpt"  # type: ignore[arg-type]

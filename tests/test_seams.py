@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -28,10 +29,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 import lightning_datastates.pipeline as pipeline_module
 from lightning_datastates import DataStatesIO
 from lightning_datastates.errors import CheckpointFlushError
+from lightning_datastates.records.leftovers import host_tag
 from lightning_datastates.records.names import DCP_METADATA_NAME, LIGHTNING_META_NAME, PENDING_SUFFIX, REMOVING_SUFFIX
 from lightning_datastates.sharded.leftovers import clean_leftovers
 from lightning_datastates.storage import LocalWriter
-from lightning_datastates.storage.leftovers import host_tag
 from tests.conftest import dead_pid
 from tests.s3_server import s3_endpoint_fixture, s3_fixture  # noqa: F401 - fixtures
 from tests.test_sharded_parts import _one_process_fit, _ShardedBNModel
@@ -231,3 +232,56 @@ def test_a_sharded_fit_cleans_its_checkpoint_directory_once(tmp_path, monkeypatc
     checkpoint = ModelCheckpoint(dirpath=str(directory), every_n_train_steps=2, save_top_k=-1, save_last=True)
     _one_process_fit(tmp_path, monkeypatch, DataStatesIO(), checkpoint, model=_ShardedBNModel)
     assert cleaned == [str(directory)]
+
+
+# ---------------------------------------------------------------------------------------------- from the review
+def test_removing_a_link_to_a_checkpoint_removes_the_link_alone(tmp_path):
+    """``save_last="link"``: ModelCheckpoint removes an older ``last`` link; the checkpoint it points to stays."""
+    target = tmp_path / "epoch=0-step=3.ckpt"
+    expected = _sharded_checkpoint(target)
+    link = tmp_path / "last.ckpt"
+    link.symlink_to(target.name)
+    DataStatesIO().remove_checkpoint(str(link))
+    assert not os.path.lexists(link)
+    assert _loads_whole(target, expected) and (target / LIGHTNING_META_NAME).exists()
+
+
+def test_a_sharded_save_not_committed_keeps_the_removals_asked_for_right_after_it():
+    """A sharded save skipped (``on_arena_full="skip"``) or failed, whose commit ended before ModelCheckpoint asked to
+    remove the checkpoint it was to replace: that checkpoint stays, as after a skipped single-file save."""
+    from lightning_datastates.records.job import JobState
+    from lightning_datastates.snapshot.pending import PendingCheckpoints, PendingCommit
+
+    for state in (JobState.SKIPPED, JobState.FAILED):
+        pending = PendingCheckpoints()
+        commit = PendingCommit("ckpt/epoch=0-step=4.ckpt")
+        pending.register_commit(commit)
+        commit.state = state
+        pending.finish(commit)
+        removed: list[str] = []
+        pending.defer_removal("ckpt/epoch=0-step=2.ckpt", functools.partial(removed.append, "step=2"))
+        assert removed == [], state
+
+
+def test_last_skips_a_half_switched_directory_that_the_cleanup_would_not_complete(tmp_path):
+    """A ``last.ckpt/`` holding a commit record and no ``meta.pt`` counts only where the cleanup at setup will finish
+    it: not while its marker names a writer that may be alive (here: this process)."""
+    from types import SimpleNamespace
+
+    from lightning_datastates.compat.last_checkpoint import newest_last_checkpoint
+    from lightning_datastates.records.names import COMMIT_RECORD_NAME
+    from lightning_datastates.sharded.leftovers import mark_pending
+
+    directory = tmp_path / "ckpt"
+    whole = directory / "epoch=0-step=2.ckpt"
+    _sharded_checkpoint(whole, step=2)
+    last = directory / "last.ckpt"
+    last.mkdir()
+    (last / COMMIT_RECORD_NAME).write_bytes(b"a record")
+    marker = mark_pending(LocalWriter(), str(last))  # this process: alive
+    callback = ModelCheckpoint(dirpath=str(directory))
+    trainer = SimpleNamespace(callbacks=[callback], checkpoint_callbacks=[callback])
+    assert newest_last_checkpoint(trainer, 3600.0) == str(whole)  # type: ignore[arg-type]
+    os.unlink(marker)
+    (last / f".commit.{host_tag()}.{dead_pid()}.deadbeef{PENDING_SUFFIX}").write_bytes(b"")
+    assert newest_last_checkpoint(trainer, 3600.0) == str(last)  # type: ignore[arg-type]

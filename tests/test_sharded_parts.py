@@ -25,6 +25,7 @@ from lightning_datastates.alignment import align_up
 from lightning_datastates.compat.torch import local_shard
 from lightning_datastates.errors import CheckpointCaptureError, CheckpointFlushError
 from lightning_datastates.plugin import pipeline_of
+from lightning_datastates.records.leftovers import host_tag
 from lightning_datastates.records.names import DCP_METADATA_NAME, LIGHTNING_META_NAME, PENDING_SUFFIX
 from lightning_datastates.sharded.commit import ShardedSave
 from lightning_datastates.sharded.dcp_writer import plan_checkpoint
@@ -35,7 +36,6 @@ from lightning_datastates.sharded.saver import ShardedSaver
 from lightning_datastates.sharded.staging import LocalPlans, stage_shard
 from lightning_datastates.snapshot.pending import PendingCheckpoints
 from lightning_datastates.storage import LocalWriter
-from lightning_datastates.storage.leftovers import host_tag
 from tests.conftest import BNModel, assert_bit_equal, dead_pid, make_loader, make_trainer, temp_files
 from tests.s3_server import (  # noqa: F401 - the *_fixture imports register the fixtures
     free_port,
@@ -499,7 +499,7 @@ class _SaverHost:
         if self.pending is not None:
             raise self.pending
 
-    def clean_stale(self, directory: str) -> list[str]:
+    def clean_once(self, directory: str) -> list[str]:
         return []
 
     def lazy_for_save(self):  # type: ignore[no-untyped-def]

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from lightning_datastates.records.leftovers import TEMP_SUFFIX
 from lightning_datastates.storage import LocalWriter, StorageWriter
-from lightning_datastates.storage.leftovers import TEMP_SUFFIX
 
 JOIN_S = 30.0
 

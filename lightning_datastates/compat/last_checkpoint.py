@@ -30,6 +30,7 @@ wrapper runs where Lightning calls the method, on the training thread of every r
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +41,8 @@ from lightning.pytorch.callbacks.on_exception_checkpoint import OnExceptionCheck
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_datastates.records.names import COMMIT_RECORD_NAME, LIGHTNING_META_NAME, holds_checkpoint
+from lightning_datastates.records.leftovers import parse_leftover_name, writer_gone
+from lightning_datastates.records.names import COMMIT_RECORD_NAME, LIGHTNING_META_NAME, PENDING_SUFFIX, holds_checkpoint
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
@@ -49,17 +51,19 @@ if TYPE_CHECKING:
 _WRAPPED = "_lightning_datastates_resolves_last"
 
 
-def resolve_last_checkpoint(applies: Callable[[Trainer], bool]) -> None:
+def resolve_last_checkpoint(stale_age_s: Callable[[Trainer], float | None]) -> None:
     """Wrap ``_CheckpointConnector._parse_ckpt_path`` (once per process) so that ``ckpt_path="last"`` resumes from a
-    whole checkpoint for the Trainers ``applies`` accepts (see the module docstring)."""
+    whole checkpoint for the Trainers whose plugin's ``stale_after_s`` ``stale_age_s`` gives (None: another Trainer,
+    left to Lightning; see the module docstring)."""
     original = _CheckpointConnector._parse_ckpt_path
     if getattr(original, _WRAPPED, False):
         return
 
     def parse_ckpt_path(self: Any, state_fn: Any, ckpt_path: Any, model_provided: bool, model_connected: bool) -> Any:
-        if ckpt_path == "last" and applies(self.trainer):
-            found = newest_last_checkpoint(self.trainer)
-            if found is not _NO_CANDIDATE:
+        max_age_s = stale_age_s(self.trainer) if ckpt_path == "last" else None
+        if max_age_s is not None:
+            found = newest_last_checkpoint(self.trainer, max_age_s)
+            if found is not NO_CANDIDATE:
                 if found is None:
                     fn = state_fn.value
                     rank_zero_warn(
@@ -77,14 +81,15 @@ class _NoCandidate:
     """:func:`newest_last_checkpoint` found no last checkpoint at all, whole or not: Lightning's own method decides."""
 
 
-_NO_CANDIDATE: Any = _NoCandidate()
+NO_CANDIDATE: Any = _NoCandidate()
 
 
-def newest_last_checkpoint(trainer: Trainer) -> Any:
+def newest_last_checkpoint(trainer: Trainer, max_age_s: float) -> Any:
     """The newest whole one of the Trainer's last checkpoints (``last.ckpt`` and its versions in each
     ``ModelCheckpoint``'s directory, and each ``OnExceptionCheckpoint``'s file), with its protocol; where some exist
     but none is whole, the newest whole checkpoint in those directories (None if there is none either);
-    :data:`_NO_CANDIDATE` if there is no last checkpoint at all."""
+    :data:`NO_CANDIDATE` if there is no last checkpoint at all. ``max_age_s``: the plugin's ``stale_after_s``, which
+    tells whether the cleanup at setup will complete a directory whose switch a dead run left half-way."""
     candidates: dict[str, Any] = {}
     directories: dict[str, Any] = {}
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
@@ -103,8 +108,8 @@ def newest_last_checkpoint(trainer: Trainer) -> Any:
                 candidates[_with_protocol(fs, path)] = fs
     found = {path: fs for path, fs in candidates.items() if _exists(fs, path)}
     if not found:
-        return _NO_CANDIDATE
-    newest = _newest(found)
+        return NO_CANDIDATE
+    newest = _newest(found, max_age_s)
     if newest is not None:
         return newest
     others = {
@@ -112,7 +117,7 @@ def newest_last_checkpoint(trainer: Trainer) -> Any:
         for directory, fs in directories.items()
         for entry in _checkpoints_in(fs, directory)
     }
-    newest = _newest(others)
+    newest = _newest(others, max_age_s)
     if newest is not None:
         rank_zero_warn(
             f'ckpt_path="last": no last checkpoint is whole ({", ".join(sorted(found))}: a run died saving it); '
@@ -121,8 +126,8 @@ def newest_last_checkpoint(trainer: Trainer) -> Any:
     return newest
 
 
-def _newest(candidates: dict[str, Any]) -> str | None:
-    dated = {path: stamp for path, fs in candidates.items() if (stamp := _modified_s(fs, path)) is not None}
+def _newest(candidates: dict[str, Any], max_age_s: float) -> str | None:
+    dated = {path: stamp for path, fs in candidates.items() if (stamp := _modified_s(fs, path, max_age_s)) is not None}
     return max(dated, key=lambda path: dated[path]) if dated else None
 
 
@@ -147,16 +152,43 @@ def _is_local(fs: Any) -> bool:
     return isinstance(fs, LocalFileSystem)
 
 
-def _modified_s(fs: Any, path: str) -> float | None:
+def _modified_s(fs: Any, path: str, max_age_s: float) -> float | None:
     """When the checkpoint at ``path`` was last written (a sharded directory: its ``meta.pt``, or the commit record
     of a switch to a new checkpoint that a dead run left half-way, which the cleanup at setup finishes before any
     load), in seconds since the epoch; None if there is no whole checkpoint there."""
     if not _exists(fs, path):
         return None
     if fs.isdir(path):
-        names = {entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(path, detail=False)}
-        if not holds_checkpoint(names):
+        entries = {entry["name"].rstrip("/").rsplit("/", 1)[-1]: entry for entry in fs.ls(path, detail=True)}
+        if not holds_checkpoint(entries):
             return None
-        dated_by = LIGHTNING_META_NAME if LIGHTNING_META_NAME in names else COMMIT_RECORD_NAME
+        if LIGHTNING_META_NAME not in entries and not _completed_at_setup(entries, max_age_s):
+            return None
+        dated_by = LIGHTNING_META_NAME if LIGHTNING_META_NAME in entries else COMMIT_RECORD_NAME
         path = f"{path.rstrip('/')}/{dated_by}"
     return float(fs.modified(path).timestamp())
+
+
+def _completed_at_setup(entries: dict[str, Any], max_age_s: float) -> bool:
+    """Whether the cleanup at setup completes a directory holding ``entries`` (fsspec's listing, by name) and no
+    ``meta.pt``: only where every in-flight marker's writer is gone by the cleanup's own rule (a dead process of this
+    host, another host's once ``max_age_s`` old). Otherwise the directory stays as it is, and loading it would fail."""
+    now = time.time()
+    for name, entry in entries.items():
+        marker = parse_leftover_name(name, PENDING_SUFFIX)
+        if marker is None:
+            continue
+        modified = _entry_modified_s(entry)
+        age_s = None if modified is None else now - modified
+        if not writer_gone(marker.owner, age_s, max_age_s, tracks_own_writes=False):
+            return False
+    return True
+
+
+def _entry_modified_s(entry: dict[str, Any]) -> float | None:
+    """An fsspec listing entry's modification time in seconds since the epoch (local ``mtime``, S3
+    ``LastModified``); None where the listing gives none."""
+    stamp = entry.get("mtime", entry.get("LastModified"))
+    if stamp is None:
+        return None
+    return float(stamp.timestamp()) if hasattr(stamp, "timestamp") else float(stamp)

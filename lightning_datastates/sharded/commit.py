@@ -140,9 +140,7 @@ class ShardedCommitter:
             except BaseException as exc:  # noqa: BLE001 - that save's failure, reported once on this rank
                 log.error("lightning_datastates: committing %s failed on rank %d: %r", save.path, self._rank, exc)
                 commit.state = JobState.FAILED
-                if isinstance(exc, CheckpointFlushError):
-                    commit.error = exc  # already says which rank and what
-                else:
+                if save.staged.error is None:  # a staging error was raised on the training thread already
                     commit.error = _not_committed(save.path, f"rank {self._rank} failed while committing it: {exc!r}")
                     commit.error.__cause__ = exc
             finally:
@@ -151,9 +149,13 @@ class ShardedCommitter:
     def _commit(self, save: ShardedSave, commit: PendingCommit) -> None:
         """Plan, exchange, publish (rank 0) and share the verdict of ``save``; set ``commit``'s state and error."""
         import torch.distributed as dist
+        from torch.distributed.checkpoint.api import CheckpointException
 
+        # Reported once already, on this rank's training thread (its staging) or through its own file's failure.
+        reported_here = save.staged.error is not None
+        cause: BaseException | None = None  # this rank's own failure, chained to the one reported
         if self._broken is not None:
-            commit.state, commit.error = JobState.FAILED, _not_committed(save.path, self._broken)
+            self._fail(commit, save, self._broken, reported_here, None)
             return  # the marker stays: the next run's cleanup removes what this save left
         # Every rank plans every save, in the same order, even one that failed here: the others wait for it.
         planned: CheckpointPlan | None = None
@@ -162,17 +164,18 @@ class ShardedCommitter:
             # Thousands of plan objects built and dropped: no collection (and no promotion) on this thread for them.
             with collection_paused():
                 planned = plan_checkpoint(save.staged, save.path, self._group)
-        except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException; reported below
+        except CheckpointException as exc:  # a rank's planning failed: DCP reports it to every rank alike
             own_error = f"DCP could not plan it: {exc!r}"
-        # Already raised on this rank's training thread (its staging) or reported by the engine (its file).
-        reported_here = save.staged.error is not None
-        cause: BaseException | None = None  # this rank's own failure, chained to the one reported
+        except BaseException as exc:  # noqa: BLE001 - a collective of the planning itself failed or timed out
+            self._fail(commit, save, self._broken_by(f"DCP's planning of {save.path}", exc), reported_here, exc)
+            return
+        own_skipped = False
         written = None
         if save.shard is not None:
             written = save.staged.file_name
             self._wait_shard(save.shard.path)  # also after a failed planning: the file is removed once written
             if save.shard.state == JobState.SKIPPED.value:
-                own_error, reported_here = f"{_SKIPPED}its host arena was full (on_arena_full='skip')", True
+                own_error, own_skipped = f"{_SKIPPED}its host arena was full (on_arena_full='skip')", True
             elif save.shard.state != JobState.COMMITTED.value:
                 own_error, reported_here = f"its shard file {save.shard.path} was {save.shard.state}", True
                 # Reported as this save's failure (keyed by its directory, which a save outside the training loop
@@ -182,32 +185,25 @@ class ShardedCommitter:
                     own_error, reported_here = f"{own_error}: {shard_failure.error!r}", False
                     cause = shard_failure.error
         outcomes: list[tuple[str | None, str | None]] = [(None, None)] * dist.get_world_size(self._group)
-        self._collective(
-            "exchanging the ranks' outcomes",
-            save.path,
-            dist.all_gather_object,
-            outcomes,
-            (own_error, written),
-            group=self._group,
-        )
+        try:
+            dist.all_gather_object(outcomes, (own_error, written), group=self._group)
+        except BaseException as exc:  # noqa: BLE001 - this save's failure
+            self._fail(
+                commit, save, self._broken_by(f"exchanging the outcomes of {save.path}", exc), reported_here, exc
+            )
+            return
         failed = [(rank, error) for rank, (error, _) in enumerate(outcomes) if error is not None]
         files = tuple(sorted(name for _, name in outcomes if name is not None))
         verdict: list[str | None] = [None]
-        settled = True
         if self._rank == 0:
-            try:
-                if failed:
-                    verdict[0] = self._discard(save, files, failed)
-                else:
-                    verdict[0], settled = self._publish(save, planned, files)
-                if save.marker is not None and settled:
-                    self._remove_files(self._writer_for(save.path), save.path, [_name(save.marker)])
-            except BaseException as exc:  # noqa: BLE001 - shared as the verdict: no rank may wait for one that never comes
-                log.error("lightning_datastates: committing %s failed: %r", save.path, exc)
-                verdict[0] = f"rank 0 failed while committing it: {exc!r}"
-        self._collective(
-            "sharing rank 0's verdict", save.path, dist.broadcast_object_list, verdict, src=0, group=self._group
-        )
+            verdict[0] = self._settle(save, planned, files, failed)
+        try:
+            dist.broadcast_object_list(verdict, src=0, group=self._group)
+        except BaseException as exc:  # noqa: BLE001 - this save's failure
+            self._fail(
+                commit, save, self._broken_by(f"sharing rank 0's verdict on {save.path}", exc), reported_here, exc
+            )
+            return
         if verdict[0] is None:
             commit.state = JobState.COMMITTED
             return
@@ -216,26 +212,51 @@ class ShardedCommitter:
         commit.state = JobState.SKIPPED if skipped else JobState.FAILED
         if skipped and self._rank == 0:
             log.warning("lightning_datastates: skipped sharded checkpoint %s: %s", save.path, verdict[0])
-        if not (reported_here or skipped):
+        # A rank that skipped its own file reports another rank's real failure all the same: it must stop too.
+        if not skipped and not (reported_here and not own_skipped):
             commit.error = _not_committed(save.path, verdict[0])
             commit.error.__cause__ = cause
 
-    def _collective(self, doing: str, path: str, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-        """Run ``collective`` on the committer's group; if it fails (or times out), the exchange is broken for the rest
-        of the run and this save fails, the rank and the collective named.
-
-        Raises:
-            CheckpointFlushError: the collective failed.
-        """
+    def _settle(
+        self, save: ShardedSave, planned: CheckpointPlan | None, files: tuple[str, ...], failed: list[tuple[int, str]]
+    ) -> str | None:
+        """Rank 0: publish the save, or discard it where a rank failed; then its marker (once the save is settled)
+        and, for a save not committed, the directory if that left it empty. The verdict: None, or why the save was
+        not committed. Whatever raises here becomes the verdict: no rank may wait for one that never comes."""
+        settled = True
+        verdict: str | None
         try:
-            collective(*args, **kwargs)
-        except BaseException as exc:
-            timeout_s = DEFAULT_EXCHANGE_TIMEOUT.total_seconds()
-            self._broken = (
-                f"rank {self._rank} failed {doing} for {path} (each collective waits at most {timeout_s:.0f} s for the "
-                f"other ranks): {exc!r}"
-            )
-            raise _not_committed(path, self._broken) from exc
+            if failed:
+                verdict = self._discard(save, files, failed)
+            else:
+                verdict, settled = self._publish(save, planned, files)
+            if save.marker is not None and settled:
+                self._remove_files(self._writer_for(save.path), save.path, [_name(save.marker)])
+        except BaseException as exc:  # noqa: BLE001 - shared as the verdict
+            log.error("lightning_datastates: committing %s failed: %r", save.path, exc)
+            return f"rank 0 failed while committing it: {exc!r}"
+        if verdict is not None and settled:
+            _remove_if_no_checkpoint_left(save.path)  # the marker is gone: an empty directory goes too
+        return verdict
+
+    def _fail(
+        self, commit: PendingCommit, save: ShardedSave, why: str, reported_here: bool, cause: BaseException | None
+    ) -> None:
+        """``save`` was not committed because of ``why``: reported on this rank unless it was already."""
+        commit.state = JobState.FAILED
+        if not reported_here:
+            commit.error = _not_committed(save.path, why)
+            commit.error.__cause__ = cause
+
+    def _broken_by(self, doing: str, exc: BaseException) -> str:
+        """The exchange is broken from now on: every later save fails at once with the text returned."""
+        timeout_s = DEFAULT_EXCHANGE_TIMEOUT.total_seconds()
+        self._broken = (
+            f"rank {self._rank} failed {doing} with the other ranks (each collective waits at most {timeout_s:.0f} s "
+            f"for them): {exc!r}"
+        )
+        log.error("lightning_datastates: %s", self._broken)
+        return self._broken
 
     def _publish(
         self, save: ShardedSave, planned: CheckpointPlan | None, files: tuple[str, ...]
@@ -269,7 +290,6 @@ class ShardedCommitter:
                 return f"rank 0 could not write its metadata: {exc!r}{kept}", False
             # The directory holds what it held, whole: this save's files and record go.
             self._remove_files(writer, save.path, [*files, COMMIT_RECORD_NAME])
-            _remove_if_no_checkpoint_left(save.path)
             return f"rank 0 could not write its metadata: {exc!r}", True
         try:
             switch_to_record(writer, save.path, planned.metadata_bytes, save.meta_bytes)
@@ -285,7 +305,6 @@ class ShardedCommitter:
         """Rank 0, a rank failed: remove this save's files (its marker goes after, with any settled save's); the
         directory keeps what it held. The error text."""
         self._remove_files(self._writer_for(save.path), save.path, files)
-        _remove_if_no_checkpoint_left(save.path)
         return "; ".join(f"rank {rank} failed: {error}" for rank, error in failed)
 
     def _remove_files(self, writer: StorageWriter, directory: str, names: Any) -> None:

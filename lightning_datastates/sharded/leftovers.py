@@ -1,7 +1,7 @@
 """What a sharded save that never committed leaves on storage, and how the next run removes or completes it.
 
 While a sharded save is in flight, rank 0 keeps a marker in its directory, named like every leftover of this package
-(``.commit.<host>.<pid>.<token>.datastates-pending``, :mod:`~lightning_datastates.storage.leftovers`), and removes
+(``.commit.<host>.<pid>.<token>.datastates-pending``, :mod:`~lightning_datastates.records.leftovers`), and removes
 it once the checkpoint is committed or discarded. It is written before any other rank learns the directory
 (:class:`~lightning_datastates.sharded.saver.ShardedSaver`), so that every file of the save lands after it. A
 directory with a marker whose writer is gone (by the same rule as temporary files: a dead process of this host at
@@ -22,11 +22,11 @@ from __future__ import annotations
 import logging
 import time
 
+from lightning_datastates.records.leftovers import leftover_name, parse_leftover_name, writer_gone
 from lightning_datastates.records.names import DCP_METADATA_NAME, LIGHTNING_META_NAME, PENDING_SUFFIX, REMOVING_SUFFIX
 from lightning_datastates.sharded.dcp_writer import join_path
 from lightning_datastates.sharded.publish import complete_or_keep, files_named
 from lightning_datastates.storage.base import DirectoryEntry, StorageWriter
-from lightning_datastates.storage.leftovers import leftover_name, parse_leftover_name, writer_gone
 from lightning_datastates.storage.removal import finish_removal, is_removal_marker
 
 log = logging.getLogger("lightning_datastates")

@@ -49,7 +49,7 @@ class SaverHost(Protocol):
     def raise_pending_failure(self, path: str | None = None) -> None:
         """Raise the oldest unreported background failure (of ``path`` if given)."""
 
-    def clean_stale(self, directory: str) -> list[str]:
+    def clean_once(self, directory: str) -> list[str]:
         """Remove what dead runs left in ``directory``, once per directory and run."""
 
 
@@ -142,7 +142,7 @@ class ShardedSaver:
                 # same path) must not run once this save has files there: dropped, or waited for if already running.
                 self._host.engine.pending.before_save(path)
                 meta_bytes = _serialized(meta)  # the non-tensor state as it is now
-                self._host.clean_stale(os.path.dirname(path.rstrip("/")) or ".")
+                self._host.clean_once(os.path.dirname(path.rstrip("/")) or ".")
                 if is_local_path(path):
                     _prepare_local_directory(local_path(path))
                 marker = mark_pending(self._host.writer_for(path), path)

@@ -81,7 +81,9 @@ class PendingCheckpoints:
         self._deferred_removals: dict[str, tuple[list[SnapshotJob | PendingCommit], Callable[[], None]]] = {}
         # path -> set once the removal of path that a finishing entry carries out is done
         self._running_removals: dict[str, threading.Event] = {}
-        self._skipped_since_last_capture = False  # removals right after a skipped save keep their file
+        # Removals right after a save that was skipped (or a sharded save not committed) keep their file, until the
+        # next capture.
+        self._skipped_since_last_capture = False
 
     # ------------------------------------------------------------------ training thread
     def before_save(self, path: str) -> None:
@@ -98,7 +100,7 @@ class PendingCheckpoints:
         """Register a sharded save's directory until its committer calls :meth:`finish`."""
         with self.lock:
             self._deferred_removals.pop(commit.path, None)
-            self._skipped_since_last_capture = False
+            # The skip flag stays: a sharded save whose own file was skipped registers its commit all the same.
             self._latest_by_path[commit.path] = commit
             self.active.append(commit)
 
@@ -174,7 +176,10 @@ class PendingCheckpoints:
                 )
                 return
             if self._skipped_since_last_capture:  # the checkpoint that was to replace it was skipped
-                log.warning("lightning_datastates: keeping %s, which was to be removed: a newer save was skipped", path)
+                log.warning(
+                    "lightning_datastates: keeping %s, which was to be removed: a newer save was skipped or failed",
+                    path,
+                )
                 return
             waiting = [job for job in self.active if not job.settled]
             if waiting:
@@ -183,9 +188,10 @@ class PendingCheckpoints:
         remove()
 
     def is_removal_deferred(self, path: str) -> bool:
-        """Whether ``path`` is removed already as far as the caller knows, but kept until earlier writes land."""
+        """Whether ``path`` is removed already as far as the caller knows, but kept until earlier writes land (or
+        being removed right now by the thread that finished the last of them)."""
         with self.lock:
-            return path in self._deferred_removals
+            return path in self._deferred_removals or path in self._running_removals
 
     def drain(self) -> None:
         """Wait until every pending checkpoint is committed or dropped."""
@@ -232,8 +238,6 @@ class PendingCheckpoints:
                     self._running_removals.pop(path, None)
                 done.set()
         with self.lock:
-            if job.error is not None:
-                self._failures.append(job)
             self.active.remove(job)
             if self._latest_by_path.get(job.path) is job:
                 del self._latest_by_path[job.path]
@@ -252,7 +256,13 @@ class PendingCheckpoints:
         """
         due = []
         with self.lock:
+            # Settled and failed in one hold of the lock: a removal asked for in between would find the job neither
+            # waited for nor failed, and delete what may be the last good checkpoint.
             job.settled = True
+            if job.error is not None:
+                self._failures.append(job)
+            if isinstance(job, PendingCommit) and job.state in _NOT_COMMITTED:
+                self._skipped_since_last_capture = True  # the next removals keep their file, as after a skipped save
             for path, (waiting, remove) in list(self._deferred_removals.items()):
                 if job not in waiting:
                     continue

@@ -7,7 +7,7 @@ appears whole or not at all), file-system-like backends rename. Nothing partial 
 name, and an earlier checkpoint there stays intact until the move.
 
 Temporary objects are named as local temporary files (``.<name>.<host>.<pid>.<token>.datastates-tmp``) and cleaned by
-the same rule (see :mod:`~lightning_datastates.storage.leftovers`).
+the same rule (see :mod:`~lightning_datastates.records.leftovers`).
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ from fsspec.core import split_protocol
 
 from lightning_datastates.config import DEFAULT_STALE_AGE_S
 from lightning_datastates.errors import ConfigError
-from lightning_datastates.storage.base import DirectoryEntry, StorageWriter
-from lightning_datastates.storage.leftovers import (
+from lightning_datastates.records.leftovers import (
     TEMP_SUFFIX,
     leftover_name,
     parse_leftover_name,
     writer_gone,
 )
+from lightning_datastates.storage.base import DirectoryEntry, StorageWriter
 from lightning_datastates.storage.local import PositionalFileSession
 
 

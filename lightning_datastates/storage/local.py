@@ -11,7 +11,7 @@ blocks of every range go through a second, ``O_DIRECT`` descriptor of the tempor
 
 Temporary files are named ``.<name>.<host>.<pid>.<token>.datastates-tmp``: hidden, never matching
 ``*.ckpt``, and telling :meth:`LocalWriter.clean_stale` which process left them (see
-:mod:`~lightning_datastates.storage.leftovers`).
+:mod:`~lightning_datastates.records.leftovers`).
 
 Loads map the committed file itself (:meth:`LocalWriter.open_local`).
 """
@@ -29,15 +29,15 @@ from typing import Any, BinaryIO
 
 from lightning_datastates.alignment import PAGE_ALIGNMENT_BYTES, align_up
 from lightning_datastates.config import DEFAULT_STALE_AGE_S, DirectIO
-from lightning_datastates.records.session import WriteSession
-from lightning_datastates.storage.base import DirectoryEntry, StorageWriter
-from lightning_datastates.storage.direct_io import direct_io_suits, no_direct_io, open_direct, write_all, write_direct
-from lightning_datastates.storage.leftovers import (
+from lightning_datastates.records.leftovers import (
     TEMP_SUFFIX,
     leftover_name,
     parse_leftover_name,
     writer_gone,
 )
+from lightning_datastates.records.session import WriteSession
+from lightning_datastates.storage.base import DirectoryEntry, StorageWriter
+from lightning_datastates.storage.direct_io import direct_io_suits, no_direct_io, open_direct, write_all, write_direct
 
 #: Longest file name most POSIX file systems accept.
 _MAX_NAME_BYTES = 255

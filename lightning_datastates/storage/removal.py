@@ -6,7 +6,7 @@ kill can leave ``.metadata``, ``meta.pt`` and one shard, a directory Lightning t
 read. So :func:`remove_checkpoint` removes a directory in this order:
 
 1. a removal marker (``.commit.<host>.<pid>.<token>.datastates-removing``, named like every leftover of the package,
-   :mod:`~lightning_datastates.storage.leftovers`) is created in it: from here the directory is no checkpoint for this
+   :mod:`~lightning_datastates.records.leftovers`) is created in it: from here the directory is no checkpoint for this
    package (:func:`~lightning_datastates.records.names.holds_checkpoint`, which ``ckpt_path="last"`` asks), and the
    next run's cleanup, or ``python -m lightning_datastates clean``, finishes the removal once the marker's writer is
    gone (:mod:`~lightning_datastates.sharded.leftovers`);
@@ -21,9 +21,12 @@ held back for earlier saves), never two removals of one path at once.
 
 from __future__ import annotations
 
+import os
+
+from lightning_datastates.records.leftovers import leftover_name, parse_leftover_name
 from lightning_datastates.records.names import LIGHTNING_META_NAME, PENDING_SUFFIX, REMOVING_SUFFIX
 from lightning_datastates.storage.base import DirectoryEntry, StorageWriter
-from lightning_datastates.storage.leftovers import leftover_name, parse_leftover_name
+from lightning_datastates.storage.local import is_local_path, local_path
 
 
 def remove_checkpoint(writer: StorageWriter, path: str) -> None:
@@ -33,6 +36,9 @@ def remove_checkpoint(writer: StorageWriter, path: str) -> None:
     Raises:
         OSError: a step failed (the S3 writer's errors are ``OSError`` too); what is left is marked for the cleanup.
     """
+    if is_local_path(path) and os.path.islink(local_path(path)):
+        writer.remove(path)  # a link (save_last="link") goes alone: never the checkpoint it points to
+        return
     entries = writer.list_directory(path)
     if not entries:
         writer.remove(path)  # a file (one atomic operation), an empty directory, nothing, or a backend that cannot list

@@ -2,7 +2,7 @@
 
 S3 lists open multipart uploads with neither host nor process, so each upload gets a small hidden *marker* object
 beside its key, ``.<name>.<host>.<pid>.<token>.datastates-upload`` holding the UploadId (named as every leftover,
-see :mod:`~lightning_datastates.storage.leftovers`), written right after ``CreateMultipartUpload`` and deleted once the
+see :mod:`~lightning_datastates.records.leftovers`), written right after ``CreateMultipartUpload`` and deleted once the
 upload is completed or aborted. :func:`clean_stale_uploads` aborts the uploads whose marker names a dead process of
 this host at once, and other uploads (another host, or a writer killed before its marker landed) once older than
 ``max_age_s``; this process's uploads in flight (:data:`OPEN_UPLOADS`) never.
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from lightning_datastates.storage.leftovers import LeftoverOwner, leftover_name, parse_leftover_name, writer_gone
+from lightning_datastates.records.leftovers import LeftoverOwner, leftover_name, parse_leftover_name, writer_gone
 from lightning_datastates.storage.s3.client import S3Client, S3NotFoundError
 
 #: Suffix of the marker objects naming the process behind an open multipart upload.
