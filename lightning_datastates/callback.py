@@ -95,10 +95,13 @@ class DataStatesCallback(Callback):
 
     def _clean_checkpoint_directories(self, trainer: Trainer) -> None:
         """Rank 0: remove what dead runs left in each ``ModelCheckpoint``'s directory, once per directory and run."""
-        if self._plugin is None or not trainer.is_global_zero:
+        if self._plugin is None:
             return
         for checkpoint_callback in trainer.checkpoint_callbacks:
-            if isinstance(checkpoint_callback, ModelCheckpoint) and checkpoint_callback.dirpath:
+            if not isinstance(checkpoint_callback, ModelCheckpoint) or not checkpoint_callback.dirpath:
+                continue
+            # is_global_zero asked only where there is a directory to clean (a strategy half set up may not say)
+            if trainer.is_global_zero:
                 pipeline_of(self._plugin).clean_once(str(checkpoint_callback.dirpath))
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
