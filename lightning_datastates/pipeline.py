@@ -89,15 +89,25 @@ class CheckpointPipeline:
         except OSError as exc:
             raise CheckpointFlushError(f"cannot write checkpoint {path}: {exc}", path) from exc
         if awaits_commit:
-            # Outside fit's training loop no later hook drains or reports: behave like TorchCheckpointIO and
-            # return once the file is committed (`trainer.save_checkpoint(p)` then `torch.load(p)` must work).
-            try:
-                self.engine.wait_path(path)
-            finally:
-                # Whatever ended the wait (even an interrupt), the state must not be read once this call returns.
-                self.engine.wait_copies(attribute=False)
-            self.raise_pending_failure(path)
+            self.wait_for_commit(path)
         stats.save_call_s = time.perf_counter() - started
+
+    def wait_for_commit(self, path: str) -> None:
+        """Return once the pending save of ``path`` (a file, or a sharded checkpoint's directory) is committed, and no
+        copy reads the training state any more; raise its failure if it failed.
+
+        Outside fit's training loop no later hook drains or reports: a save there behaves like ``TorchCheckpointIO``
+        and returns once committed (``trainer.save_checkpoint(p)`` then ``torch.load(p)`` must work).
+
+        Raises:
+            CheckpointFlushError: the save of ``path`` failed.
+        """
+        try:
+            self.engine.wait_path(path)
+        finally:
+            # Whatever ended the wait (even an interrupt), the state must not be read once this call returns.
+            self.engine.wait_copies(attribute=False)
+        self.raise_pending_failure(path)
 
     def load_checkpoint(self, path: CheckpointPath, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
         """:meth:`DataStatesIO.load_checkpoint <lightning_datastates.DataStatesIO.load_checkpoint>`: load ``path``

@@ -52,6 +52,9 @@ class SaverHost(Protocol):
     def clean_once(self, directory: str) -> list[str]:
         """Remove what dead runs left in ``directory``, once per directory and run."""
 
+    def wait_for_commit(self, path: str) -> None:
+        """Return once the save of ``path`` is committed, raising its failure; the state is no longer read then."""
+
 
 class ShardedSaver:
     """Saves this rank's part of sharded checkpoints (one per plugin and fit; see the module docstring).
@@ -114,12 +117,7 @@ class ShardedSaver:
             stats.save_call_s = time.perf_counter() - started
         self.committer.submit(ShardedSave(path, stats, staged, meta_bytes, marker))
         if awaits_commit:
-            # Outside fit's training loop: return once the checkpoint is committed, as Lightning's own save does.
-            try:
-                host.engine.wait_path(path)
-            finally:
-                host.engine.wait_copies(attribute=False)
-            host.raise_pending_failure(path)
+            host.wait_for_commit(path)  # outside fit's training loop: as Lightning's own save does
 
     def _announce(
         self, path: str, meta: dict[str, Any], broadcast: Callable[[Any], Any]
