@@ -77,6 +77,7 @@ class DataStatesCallback(Callback):
         if callbacks and callbacks[0] is not self and self in callbacks:
             callbacks.remove(self)
             callbacks.insert(0, self)
+        pipeline.adopt_file_systems(trainer)  # before ModelCheckpoint's setup lists its directory
         for checkpoint_callback in trainer.checkpoint_callbacks:
             if isinstance(checkpoint_callback, ModelCheckpoint):
                 self._patch_file_exists(checkpoint_callback, plugin)

@@ -20,9 +20,11 @@ import os
 import time
 from typing import IO, TYPE_CHECKING, Any, Protocol, cast
 
+import fsspec
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_datastates.compat.lightning import CheckpointPath, checkpoint_path_str
+from lightning_datastates.compat.lightning import CheckpointPath, checkpoint_path_str, use_file_system
 from lightning_datastates.config import DataStatesConfig
 from lightning_datastates.errors import CheckpointFlushError
 from lightning_datastates.interrupts import sigint_deferred
@@ -31,7 +33,7 @@ from lightning_datastates.records.job import SnapshotStats
 from lightning_datastates.sharded.leftovers import clean_leftovers
 from lightning_datastates.snapshot.engine import LazyPredicate, SnapshotEngine
 from lightning_datastates.snapshot.pending import flush_error
-from lightning_datastates.storage import StorageWriter, writer_for, writer_kind
+from lightning_datastates.storage import StorageWriter, fsspec_storage_options, writer_for, writer_kind
 from lightning_datastates.storage.removal import remove_checkpoint
 
 if TYPE_CHECKING:
@@ -235,6 +237,21 @@ class CheckpointPipeline:
         if failed is not None:
             error = flush_error(failed)
             raise error from error.__cause__
+
+    def adopt_file_systems(self, trainer: Any) -> None:
+        """Have each of ``trainer``'s ``ModelCheckpoint``s whose directory is remote list, check and link its files
+        through a file system made with this plugin's ``storage_options`` (an S3 endpoint, credentials), the same
+        store the plugin writes to: Lightning's own is made without them. Before Lightning resolves
+        ``ckpt_path="last"`` and at the callback's setup (before ``ModelCheckpoint``'s own); idempotent."""
+        options = self.config.storage_options
+        if not options:
+            return  # Lightning's file system reads the same environment as ours
+        for callback in trainer.checkpoint_callbacks:
+            dirpath = getattr(callback, "dirpath", None)
+            if not isinstance(callback, ModelCheckpoint) or dirpath is None or "://" not in str(dirpath):
+                continue
+            protocol = writer_kind(str(dirpath))
+            use_file_system(callback, fsspec.filesystem(protocol, **fsspec_storage_options(str(dirpath), options)))
 
     def clean_once(self, directory: str) -> list[str]:
         """:meth:`clean_stale` of ``directory`` once per run, whoever asks first (the callback's setup or fit start, a

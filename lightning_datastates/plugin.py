@@ -118,7 +118,7 @@ class DataStatesIO(CheckpointIO):
         self._pipeline = self._new_pipeline(DataStatesConfig(**settings))
         # Lightning resolves fit(ckpt_path="last") before any hook of ours runs, cannot at a URL, and takes a sharded
         # directory a dead save left torn: fixed for the Trainers that use a DataStatesIO (compat/last_checkpoint.py).
-        resolve_last_checkpoint(_stale_age_of_the_plugin)
+        resolve_last_checkpoint(_prepare_for_last)
 
     # ------------------------------------------------------------------ CheckpointIO
     def save_checkpoint(
@@ -214,7 +214,7 @@ class DataStatesIO(CheckpointIO):
         config = state.pop("config")
         self.__dict__.update(state)
         self._pipeline = self._new_pipeline(config)
-        resolve_last_checkpoint(_stale_age_of_the_plugin)  # a spawned worker's own process: installed there too
+        resolve_last_checkpoint(_prepare_for_last)  # a spawned worker's own process: installed there too
 
 
 def pipeline_of(plugin: DataStatesIO) -> CheckpointPipeline:
@@ -224,8 +224,12 @@ def pipeline_of(plugin: DataStatesIO) -> CheckpointPipeline:
     return plugin._pipeline
 
 
-def _stale_age_of_the_plugin(trainer: Any) -> float | None:
-    """``stale_after_s`` of the :class:`DataStatesIO` ``trainer`` saves and loads through (wrapped or not); None if it
-    uses none."""
+def _prepare_for_last(trainer: Any) -> float | None:
+    """For ``fit(ckpt_path="last")`` of a ``trainer`` that saves and loads through a :class:`DataStatesIO` (wrapped or
+    not): its ``ModelCheckpoint``s look at the plugin's store (``CheckpointPipeline.adopt_file_systems``), and the
+    plugin's ``stale_after_s``; None (nothing done) for a Trainer without one."""
     checkpoint_io = unwrap_checkpoint_io(trainer.strategy.checkpoint_io)
-    return checkpoint_io.config.stale_after_s if isinstance(checkpoint_io, DataStatesIO) else None
+    if not isinstance(checkpoint_io, DataStatesIO):
+        return None
+    checkpoint_io._pipeline.adopt_file_systems(trainer)
+    return checkpoint_io.config.stale_after_s

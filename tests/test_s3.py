@@ -637,6 +637,34 @@ def test_fit_with_ckpt_path_last_resumes_from_last_ckpt_on_s3(s3, tmp_path):
     assert_bit_equal(resumed.lightning_module.state_dict(), uninterrupted.lightning_module.state_dict(), "resumed")
 
 
+def test_modelcheckpoint_works_at_an_endpoint_given_only_to_the_plugin(s3, tmp_path, monkeypatch):
+    """No ``AWS_*`` variable: the endpoint and the credentials reach the plugin alone, through ``storage_options``.
+    ModelCheckpoint's own file system (made by Lightning without them) would ask AWS: its setup's listing of a
+    non-empty directory, its names, top-k, ``last.ckpt`` and ``ckpt_path="last"`` must all reach the moto server."""
+    for name in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(name, raising=False)
+
+    def fit(name: str, max_epochs: int, ckpt_path: str | None = None) -> Any:
+        checkpoint = ModelCheckpoint(
+            dirpath=s3.url("endpoint"), every_n_train_steps=4, save_top_k=2, monitor="train_loss", save_last=True
+        )
+        torch.manual_seed(0)
+        plugin = DataStatesIO(storage_options={**s3.storage_options, "retries": 1, "timeout_s": 10})
+        trainer = make_trainer(str(tmp_path / name), plugin, callbacks=[checkpoint], max_epochs=max_epochs)
+        trainer.fit(BNModel(), make_loader(), ckpt_path=ckpt_path)
+        return trainer
+
+    fit("first", 1)
+    assert sorted(key.rsplit("/", 1)[1] for key in s3.keys("endpoint/")) == [
+        "epoch=0-step=4.ckpt",
+        "epoch=0-step=8.ckpt",
+        "last.ckpt",
+    ]
+    resumed = fit("resumed", 2, "last")  # the directory is not empty: ModelCheckpoint's setup lists it
+    assert resumed.ckpt_path == s3.url("endpoint/last.ckpt") and resumed.global_step == 16
+    assert "last-v1.ckpt" not in {key.rsplit("/", 1)[1] for key in s3.keys("endpoint/")}
+
+
 def test_modelcheckpoint_asks_storage_not_its_listing_cache_whether_a_file_exists(s3, tmp_path):
     """ModelCheckpoint's own s3fs instance caches listings (resolving ``ckpt_path="last"`` lists the directory); the
     plugin's writers change storage behind it, so a file they removed must not count as existing (ModelCheckpoint

@@ -51,16 +51,17 @@ if TYPE_CHECKING:
 _WRAPPED = "_lightning_datastates_resolves_last"
 
 
-def resolve_last_checkpoint(stale_age_s: Callable[[Trainer], float | None]) -> None:
+def resolve_last_checkpoint(prepare: Callable[[Trainer], float | None]) -> None:
     """Wrap ``_CheckpointConnector._parse_ckpt_path`` (once per process) so that ``ckpt_path="last"`` resumes from a
-    whole checkpoint for the Trainers whose plugin's ``stale_after_s`` ``stale_age_s`` gives (None: another Trainer,
-    left to Lightning; see the module docstring)."""
+    whole checkpoint for the Trainers that use the plugin (see the module docstring). ``prepare(trainer)`` runs first:
+    for such a Trainer it readies its ``ModelCheckpoint``s (their file systems, with the plugin's options) and gives
+    the plugin's ``stale_after_s``; None for any other Trainer, left to Lightning."""
     original = _CheckpointConnector._parse_ckpt_path
     if getattr(original, _WRAPPED, False):
         return
 
     def parse_ckpt_path(self: Any, state_fn: Any, ckpt_path: Any, model_provided: bool, model_connected: bool) -> Any:
-        max_age_s = stale_age_s(self.trainer) if ckpt_path == "last" else None
+        max_age_s = prepare(self.trainer) if ckpt_path == "last" else None
         if max_age_s is not None:
             found = newest_last_checkpoint(self.trainer, max_age_s)
             if found is not NO_CANDIDATE:

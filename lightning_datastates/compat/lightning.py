@@ -60,9 +60,33 @@ def override_file_exists(checkpoint_callback: ModelCheckpoint, counts_as_existin
     checkpoint_callback.file_exists = types.MethodType(file_exists, checkpoint_callback)  # type: ignore[method-assign]
 
 
+def use_file_system(checkpoint_callback: ModelCheckpoint, fs: Any) -> None:
+    """Make ``checkpoint_callback`` list, check and link its files through ``fs``, now and after its own setup.
+
+    Checked against lightning 2.6.6: ``ModelCheckpoint`` makes its private ``_fs`` with ``get_filesystem(dirpath)``,
+    without options, in ``__init__`` and again in ``setup``, which lists the directory right after (its private
+    ``__warn_if_dir_not_empty``), and lists, checks and links its checkpoints through it (``file_exists``,
+    ``_find_last_checkpoints``). For S3 at a custom endpoint, or with credentials given only to the plugin, that file
+    system asks AWS instead. So ``_fs`` is replaced now, and again as the first act of that listing, while the
+    directory is the one ``fs`` was made for. Undo with :func:`restore_file_exists`.
+    """
+    dirpath = str(checkpoint_callback.dirpath)
+    warn_if_dir_not_empty = checkpoint_callback._ModelCheckpoint__warn_if_dir_not_empty  # type: ignore[attr-defined]
+
+    def listing_through_fs(directory: Any) -> None:
+        if str(checkpoint_callback.dirpath) == dirpath:
+            checkpoint_callback._fs = fs
+        warn_if_dir_not_empty(directory)
+
+    checkpoint_callback._fs = fs
+    checkpoint_callback._ModelCheckpoint__warn_if_dir_not_empty = listing_through_fs  # type: ignore[attr-defined]
+
+
 def restore_file_exists(checkpoint_callback: ModelCheckpoint) -> None:
-    """Undo :func:`override_file_exists` (the instance attribute goes; the class's method shows again)."""
+    """Undo :func:`override_file_exists` and :func:`use_file_system` (the instance attributes go; the class's
+    methods show again)."""
     checkpoint_callback.__dict__.pop("file_exists", None)
+    checkpoint_callback.__dict__.pop("_ModelCheckpoint__warn_if_dir_not_empty", None)
 
 
 def logging_step(trainer: Trainer) -> int:
