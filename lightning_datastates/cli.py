@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import pickle
 import sys
 from collections import Counter
 from collections.abc import Sequence
@@ -26,7 +28,7 @@ from lightning_datastates.compat.torch import fake_tensor_mode, loaded_storage_k
 from lightning_datastates.config import DEFAULT_STALE_AGE_S
 from lightning_datastates.errors import CheckpointCorruptError
 from lightning_datastates.load.reader import verify_checkpoint
-from lightning_datastates.storage import LocalWriter, StorageWriter, local_path, writer_for
+from lightning_datastates.storage import LocalWriter, StorageWriter, is_local_path, local_path, writer_for
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -43,7 +45,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m lightning_datastates", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_datastates",
+        description="Verify, inspect and clean checkpoints, local or remote (PATHs are local paths or URLs such as "
+        "s3://bucket/key).",
+    )
     parser.add_argument(
         "--storage-options", metavar="JSON", help="fsspec options for URLs, as DataStatesIO(storage_options=...)"
     )
@@ -63,7 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     clean = commands.add_parser(
         "clean", help="remove temporary files, open uploads and sharded saves of writers that died"
     )
-    clean.add_argument("directories", nargs="+", metavar="DIR_OR_URL")
+    clean.add_argument(
+        "directories", nargs="+", metavar="DIR_OR_URL", help="a checkpoint directory (ModelCheckpoint's dirpath)"
+    )
     clean.add_argument(
         "--max-age-s",
         type=_non_negative_seconds,
@@ -116,10 +124,7 @@ def _inspect(args: argparse.Namespace, options: dict[str, Any] | None) -> int:
             return 1
         checkpoint = _load_metadata(writer, path, weights_only=not args.unsafe)
     except Exception as exc:  # noqa: BLE001 - any failure to read is reported, with its cause
-        hint = (
-            "" if args.unsafe else " (if the file holds objects weights_only=True refuses and you trust it: --unsafe)"
-        )
-        print(f"ERROR {path}: cannot read it: {exc}{hint}", file=sys.stderr)
+        print(f"ERROR {path}: cannot read it: {exc} ({_read_hint(exc, args.unsafe, path)})", file=sys.stderr)
         return 1
     summary = summarize(checkpoint)
     if args.json:
@@ -128,10 +133,11 @@ def _inspect(args: argparse.Namespace, options: dict[str, Any] | None) -> int:
     print(path)
     print("keys: " + ", ".join(f"{k} ({v})" for k, v in summary["keys"].items()))
     print("tensors:")
-    width = max((len(t["name"]) for t in summary["tensors"]), default=0)
+    width = min(max((len(t["name"]) for t in summary["tensors"]), default=0), _NAME_COLUMN)
     for tensor in summary["tensors"]:
         shape = "x".join(map(str, tensor["shape"])) or "scalar"
-        print(f"  {tensor['name']:<{width}}  {tensor['dtype']:<16} {shape:<16} {_size(tensor['nbytes']):>10}")
+        name = _fit(tensor["name"], width)
+        print(f"  {name:<{width}}  {tensor['dtype']:<14} {_fit(shape, 16):<16} {_size(tensor['nbytes']):>10}")
     totals = summary["totals"]
     dtypes = ", ".join(f"{d} ({n})" for d, n in totals["dtypes"].items())
     print(
@@ -139,6 +145,26 @@ def _inspect(args: argparse.Namespace, options: dict[str, Any] | None) -> int:
         f"{_size(totals['storage_bytes'])} of tensor data; dtypes: {dtypes or 'none'}"
     )
     return 0
+
+
+#: The widest tensor name ``inspect`` prints in full: its lines fit 100 columns (``--json`` gives every name whole).
+_NAME_COLUMN = 52
+
+
+def _fit(text: str, width: int) -> str:
+    """``text``, its middle elided where it is wider than ``width`` (a tensor's name keeps its start and its end)."""
+    if len(text) <= width:
+        return text
+    keep = width - 3
+    return f"{text[: keep - keep // 2]}...{text[len(text) - keep // 2 :]}"
+
+
+def _read_hint(exc: Exception, unsafe: bool, path: str) -> str:
+    """What to do about a checkpoint ``inspect`` cannot read: ``--unsafe`` only where ``weights_only`` refused an
+    object in it; otherwise the file may be damaged, which ``verify`` tells."""
+    if not unsafe and isinstance(exc, pickle.UnpicklingError):
+        return "it holds objects weights_only=True refuses; if you trust the file: --unsafe"
+    return f"the file may be damaged or cut short: python -m lightning_datastates verify {path} checks every record"
 
 
 def _load_metadata(writer: StorageWriter, path: str, weights_only: bool) -> Any:
@@ -213,6 +239,11 @@ def _clean(args: argparse.Namespace, options: dict[str, Any] | None) -> int:
 
     status = 0
     for directory in args.directories:
+        problem = _not_a_local_directory(directory)
+        if problem is not None:
+            print(f"ERROR {directory}: {problem}")
+            status = 1
+            continue
         try:
             removed = clean_leftovers(writer_for(directory, options), directory, args.max_age_s)
         except (OSError, ValueError) as exc:
@@ -223,6 +254,19 @@ def _clean(args: argparse.Namespace, options: dict[str, Any] | None) -> int:
             print(f"removed {entry}")
         print(f"{directory}: {len(removed)} leftover(s) of dead writers removed")
     return status
+
+
+def _not_a_local_directory(directory: str) -> str | None:
+    """Why the local ``directory`` cannot be cleaned (missing, or a file such as a checkpoint given instead of its
+    directory); None where it can, and for URLs (an object store has no directories to be missing)."""
+    if not is_local_path(directory):
+        return None
+    path = local_path(directory)
+    if os.path.isfile(path):
+        return "is a file: give the checkpoint directory that holds it (ModelCheckpoint's dirpath)"
+    if not os.path.isdir(path):
+        return "no such directory: give the checkpoint directory (ModelCheckpoint's dirpath)"
+    return None
 
 
 def _non_negative_seconds(text: str) -> float:

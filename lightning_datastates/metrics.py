@@ -85,6 +85,7 @@ class CheckpointMetrics:
             "bytes_total": SumMetric(),
             "checkpoints": SumMetric(),
             "failed": SumMetric(),
+            "superseded": SumMetric(),
         }
         self._device: torch.device | None = None
         self._reset_aggregates()
@@ -136,9 +137,9 @@ class CheckpointMetrics:
         if totals["checkpoints"] == 0 and totals["failed"] == 0:
             return
         if totals["checkpoints"] > 0:
-            _log(trainer, {PREFIX + name: value for name, value in totals.items() if name != "failed"})
+            _log(trainer, {PREFIX + name: value for name, value in totals.items() if name not in _COUNTED_ONLY})
         if trainer.is_global_zero:
-            print(summary_line(totals), flush=True)
+            print(summary_line(totals, plugin.config.on_flush_error), flush=True)
 
     def _record(self, trainer: Trainer, finished: list[_Watched]) -> None:
         self._move_to(trainer.strategy.root_device)
@@ -147,6 +148,8 @@ class CheckpointMetrics:
             if stats.state != JobState.COMMITTED.value:
                 if stats.state == JobState.FAILED.value:
                     self.aggregates["failed"].update(1.0)
+                elif stats.state == JobState.CANCELLED.value:
+                    self.aggregates["superseded"].update(1.0)
                 continue
             values = checkpoint_metrics(stats, watched.arena_occupancy)
             _log(trainer, values)
@@ -172,8 +175,13 @@ class CheckpointMetrics:
             self._device = device
 
 
-def summary_line(totals: dict[str, float]) -> str:
-    """The one-line summary printed at the end of training, from :meth:`CheckpointMetrics.finish`'s totals."""
+#: Totals said in the summary line, not logged.
+_COUNTED_ONLY = ("failed", "superseded")
+
+
+def summary_line(totals: dict[str, float], on_flush_error: str = "raise") -> str:
+    """The one-line summary printed at the end of training, from :meth:`CheckpointMetrics.finish`'s totals; failures
+    are said as the plugin's ``on_flush_error`` reported them."""
     count = int(totals["checkpoints"])
     parts = [f"lightning_datastates: {count} checkpoint(s), {_human_bytes(totals['bytes_total'])} committed"]
     if count:
@@ -186,9 +194,15 @@ def summary_line(totals: dict[str, float]) -> str:
             f"durable {totals['durable_s_mean']:.2f} s after the save (max {totals['durable_s_max']:.2f} s)"
         )
         parts.append(f"host arena up to {100 * totals['arena_occupancy_max']:.0f}% full")
+    superseded = int(totals.get("superseded", 0.0))
+    if superseded:
+        # A pending save cancelled: the same file saved again (last.ckpt at every save: only the newer is written) or
+        # removed (top-k) before it was written.
+        parts.append(f"{superseded} not written: a newer save or a removal of the same file came first")
     failed = int(totals["failed"])
     if failed:
-        parts.append(f"{failed} FAILED (see the CheckpointFlushError raised)")
+        reported = "logged as warnings above" if on_flush_error == "warn" else "see the CheckpointFlushError raised"
+        parts.append(f"{failed} FAILED ({reported})")
     return "; ".join(parts)
 
 

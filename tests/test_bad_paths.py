@@ -39,6 +39,7 @@ def test_a_file_where_a_directory_is_expected(tmp_path):
         plugin.save_checkpoint(_small(), str(tmp_path / "run" / "sub" / "x.ckpt"))
     message = str(raised.value)
     assert "is a file, not a directory" in message and "dirpath" in message
+    assert f"{tmp_path / 'run'} is a file" in message  # the file itself, not a path below it that does not exist
     assert (tmp_path / "run").read_text() == "not a directory"
     plugin.teardown()
 

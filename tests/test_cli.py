@@ -132,6 +132,20 @@ def test_inspect_lists_every_tensor_without_loading_them(lightning_checkpoint, t
     assert text.splitlines()[-1].startswith(f"totals: {expected_tensors} tensors")
 
 
+class _Opaque:
+    """An object ``torch.load(weights_only=True)`` refuses."""
+
+
+def test_inspect_lines_fit_100_columns_however_long_the_names(tmp_path, capsys) -> None:
+    name = "model." + ".".join(f"block_with_a_long_name_{i}" for i in range(6)) + ".weight"
+    torch.save({"state_dict": {name: torch.zeros(3, 4)}}, tmp_path / "long.ckpt")
+    assert main(["inspect", str(tmp_path / "long.ckpt")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    tensor_lines = [line for line in lines if line.startswith("  ")]
+    assert tensor_lines and all(len(line) <= 100 for line in tensor_lines), tensor_lines
+    assert tensor_lines[0].strip().startswith("state_dict.model.") and ".weight" in tensor_lines[0]
+
+
 def test_storage_totals_of_a_metadata_only_read_are_the_records_sizes(tmp_path) -> None:
     """Fake storages count their file record's bytes (torch 2.7 makes them element_size times larger), for every
     dtype, and a storage shared by two tensors counts once."""
@@ -145,10 +159,20 @@ def test_storage_totals_of_a_metadata_only_read_are_the_records_sizes(tmp_path) 
     assert json.loads(result.stdout)["totals"]["storages"] == 3
 
 
-def test_inspect_reports_unreadable_files(tmp_path, capsys) -> None:
+def test_inspect_reports_unreadable_files(tmp_path, capsys, lightning_checkpoint) -> None:
     (tmp_path / "junk.ckpt").write_bytes(b"not a checkpoint")
     assert main(["inspect", str(tmp_path / "junk.ckpt")]) == 1
     assert "cannot read it" in capsys.readouterr().err
+    # A file cut short is damaged, not unsafe: the hint is verify, not --unsafe (as verify itself says "truncated").
+    truncated = tmp_path / "truncated.ckpt"
+    truncated.write_bytes(open(lightning_checkpoint, "rb").read()[:-4096])
+    assert main(["inspect", str(truncated)]) == 1
+    error = capsys.readouterr().err
+    assert "verify" in error and "--unsafe" not in error
+    # An object weights_only refuses: there --unsafe is the way.
+    torch.save({"object": _Opaque()}, tmp_path / "object.ckpt")
+    assert main(["inspect", str(tmp_path / "object.ckpt")]) == 1
+    assert "--unsafe" in capsys.readouterr().err
     assert main(["inspect", str(tmp_path / "missing.ckpt")]) == 1
     assert "no such checkpoint" in capsys.readouterr().err
 
@@ -186,7 +210,17 @@ def test_clean_removes_the_temporary_file_of_a_killed_writer_only(tmp_path) -> N
         assert (directory / "keep.ckpt").read_bytes() == b"a committed checkpoint"
     finally:
         live.abort()
-    assert main(["clean", str(tmp_path / "nowhere")]) == 0
+
+
+def test_clean_of_a_missing_directory_or_a_file_fails_naming_what_to_give(tmp_path, capsys) -> None:
+    """A typo, or a checkpoint file given instead of its directory, must not pass for "nothing to clean"."""
+    checkpoint = tmp_path / "last.ckpt"
+    checkpoint.write_bytes(b"a checkpoint")
+    assert main(["clean", str(tmp_path / "nowhere")]) == 1
+    assert "no such directory" in capsys.readouterr().out
+    assert main(["clean", str(checkpoint)]) == 1
+    assert "is a file: give the checkpoint directory" in capsys.readouterr().out
+    assert main(["clean", str(tmp_path)]) == 0
 
 
 def test_clean_removes_a_sharded_save_that_died_in_flight(tmp_path) -> None:
@@ -216,3 +250,12 @@ def test_clean_aborts_the_open_upload_of_a_killed_s3_writer(s3) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"removed {url}" in result.stdout
     assert s3.open_uploads() == []
+
+
+def test_help_is_plain_text(capsys) -> None:
+    """``--help`` is read in a terminal: no reStructuredText markup from the docstrings."""
+    for command in ([], ["verify"], ["inspect"], ["clean"]):
+        with pytest.raises(SystemExit):
+            main([*command, "--help"])
+        text = capsys.readouterr().out
+        assert "usage:" in text and "``" not in text and ":class:" not in text, text

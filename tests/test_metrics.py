@@ -118,3 +118,28 @@ def test_summary_line_names_failures():
     )
     line = summary_line({**totals, "checkpoints": 0.0, "failed": 2.0})
     assert line.startswith("lightning_datastates: 0 checkpoint(s)") and "2 FAILED" in line
+    assert "CheckpointFlushError" in line
+    # With on_flush_error="warn" no CheckpointFlushError was raised: the line must not send the user looking for one.
+    warned = summary_line({**totals, "checkpoints": 0.0, "failed": 2.0}, "warn")
+    assert "2 FAILED" in warned and "CheckpointFlushError" not in warned and "warnings" in warned
+
+
+def test_summary_line_says_why_saves_are_missing_from_the_count():
+    """10 saves, one of them superseded (a ``last.ckpt`` saved again before its earlier save was written): the line
+    counts 9 checkpoints and says what became of the tenth."""
+    totals = dict.fromkeys(
+        (
+            "blocked_s_mean",
+            "blocked_s_max",
+            "durable_s_mean",
+            "durable_s_max",
+            "copy_MB_per_s_mean",
+            "flush_MB_per_s_mean",
+            "arena_occupancy_max",
+            "bytes_total",
+            "failed",
+        ),
+        0.0,
+    )
+    line = summary_line({**totals, "checkpoints": 9.0, "superseded": 1.0})
+    assert "9 checkpoint(s)" in line and "1 not written: a newer save or a removal of the same file came first" in line

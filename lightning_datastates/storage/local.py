@@ -328,7 +328,7 @@ def _unwritable_directory_named(directory: str) -> Iterator[None]:
     except (FileExistsError, NotADirectoryError) as exc:  # makedirs: a component of the path is a file
         raise NotADirectoryError(
             errno.ENOTDIR,
-            f"cannot write checkpoints in {directory}: {exc.filename or directory} is a file, not a directory; "
+            f"cannot write checkpoints in {directory}: {_file_in_the_way(directory)} is a file, not a directory; "
             "choose another checkpoint directory (ModelCheckpoint(dirpath=...)) or move the file",
         ) from exc
     except OSError as exc:
@@ -371,3 +371,15 @@ def _missing_is_fine(function: Any, path: str, exc_info: Any) -> None:
     """``shutil.rmtree``'s error handler: an entry already gone (another remover) is fine; anything else raises."""
     if not isinstance(exc_info[1], FileNotFoundError):
         raise exc_info[1]
+
+
+def _file_in_the_way(directory: str) -> str:
+    """The file among ``directory`` and its parents (makedirs' error names the path it tried, often below it);
+    ``directory`` itself where none is a file. Below a file nothing exists, so it is the nearest parent that does."""
+    probe = directory
+    while not os.path.lexists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            return directory
+        probe = parent
+    return probe if os.path.isfile(probe) else directory
