@@ -278,7 +278,8 @@ class DataStatesCallback(Callback):
         flight must count, and one whose removal waits for newer checkpoints to land must not, or names would
         differ from a synchronous run.
         """
-        override_file_exists(checkpoint_callback, pipeline_of(plugin).counts_as_existing)
+        pipeline = pipeline_of(plugin)
+        override_file_exists(checkpoint_callback, pipeline.counts_as_existing, pipeline.storage_unreachable)
         self._patched.append(checkpoint_callback)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import IO, TYPE_CHECKING, Any, Protocol, cast
+from typing import IO, TYPE_CHECKING, Any, NoReturn, Protocol, cast
 
 import fsspec
 import torch
@@ -194,6 +194,21 @@ class CheckpointPipeline:
         if self._engine is None:
             return exists
         return (exists or self._engine.is_pending(path)) and not self._engine.is_removal_deferred(path)
+
+    def storage_unreachable(self, path: CheckpointPath, error: Exception) -> NoReturn:
+        """``ModelCheckpoint`` could not ask storage whether ``path`` exists (it picks its file names so): a store that
+        went away. Once the saves in flight ended (they fail against the same store, within their timeouts), raise the
+        oldest failure among them, the cause; else this one, as a ``CheckpointFlushError`` naming ``path``.
+
+        Raises:
+            CheckpointFlushError: always.
+        """
+        path = checkpoint_path_str(path)
+        self.drain()
+        self.raise_pending_failure()  # with on_flush_error="warn" it logs them, and this one is raised below
+        raise CheckpointFlushError(
+            f"cannot ask storage whether {path} exists (ModelCheckpoint picks its file names so): {error!r}", path
+        ) from error
 
     def prepare_arena(self, request_bytes: int, cuda_device: int | None = None) -> None:
         """Make the host arena before the first save, sized for checkpoints asking about ``request_bytes``, and

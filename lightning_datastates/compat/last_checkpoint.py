@@ -161,6 +161,7 @@ def _modified_s(fs: Any, path: str, max_age_s: float) -> float | None:
         return None
     if fs.isdir(path):
         entries = {entry["name"].rstrip("/").rsplit("/", 1)[-1]: entry for entry in fs.ls(path, detail=True)}
+        fs.invalidate_cache(path)  # the cleanup at setup may change it before the load, which may share this cache
         if not holds_checkpoint(entries):
             return None
         if LIGHTNING_META_NAME not in entries and not _completed_at_setup(entries, max_age_s):

@@ -10,7 +10,7 @@ import os
 import re
 import types
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -39,8 +39,13 @@ def unwrap_checkpoint_io(checkpoint_io: Any) -> Any:
     return checkpoint_io
 
 
-def override_file_exists(checkpoint_callback: ModelCheckpoint, counts_as_existing: Callable[[Any, bool], bool]) -> None:
-    """Make ``checkpoint_callback`` ask ``counts_as_existing(path, exists_on_storage)`` whether a file exists.
+def override_file_exists(
+    checkpoint_callback: ModelCheckpoint,
+    counts_as_existing: Callable[[Any, bool], bool],
+    unreachable: Callable[[Any, Exception], NoReturn] | None = None,
+) -> None:
+    """Make ``checkpoint_callback`` ask ``counts_as_existing(path, exists_on_storage)`` whether a file exists; where
+    storage cannot be asked, ``unreachable(path, error)`` raises instead (if given).
 
     Checked against lightning 2.6.6: ``ModelCheckpoint`` picks the version suffix (``-v1``) of its files and of
     ``last.ckpt`` by calling ``self.file_exists(filepath, trainer)``, which asks its private file system ``_fs`` on
@@ -54,7 +59,13 @@ def override_file_exists(checkpoint_callback: ModelCheckpoint, counts_as_existin
             # The plugin's writers change storage behind this file system's listing cache (s3fs keeps one per
             # instance, and Lightning's instance is not the writers'): ask storage, not the cache.
             callback._fs.invalidate_cache(str(filepath))
-            local = bool(counts_as_existing(filepath, callback._fs.exists(filepath)))
+            try:
+                on_storage = callback._fs.exists(filepath)
+            except Exception as exc:
+                if unreachable is None:
+                    raise
+                unreachable(filepath, exc)
+            local = bool(counts_as_existing(filepath, on_storage))
         return trainer.strategy.reduce_boolean_decision(local, all=False)
 
     checkpoint_callback.file_exists = types.MethodType(file_exists, checkpoint_callback)  # type: ignore[method-assign]

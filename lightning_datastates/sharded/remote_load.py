@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import fsspec
 from lightning.pytorch.strategies import FSDPStrategy
 
 from lightning_datastates.compat.torch import dcp_fsspec_reader
@@ -59,6 +60,10 @@ def load_sharded_url(
     from."""
 
     options = fsspec_storage_options(path, storage_options)
+    # fsspec shares one file system per set of options, listing cache included: the resolution of ckpt_path="last"
+    # and ModelCheckpoint list through the same one, possibly before the cleanup at setup completed this directory
+    # (a switch a dead run left half-way). A listing from then would hide its .metadata from DCP's reader.
+    fsspec.url_to_fs(path, **options)[0].invalidate_cache()
 
     def reader() -> Any:  # one per DCP load: a reader keeps the metadata of the load it served
         return dcp_fsspec_reader(path, options)
