@@ -102,20 +102,14 @@ def test_checkpoint_metrics_from_stats():
     assert set(pending) == {"datastates/blocked_s", "datastates/bytes"}
 
 
+def _zero_totals() -> dict[str, float]:
+    """The aggregates of the summary line, all zero (the counts left to each test)."""
+    names = ("blocked_s_mean", "blocked_s_max", "durable_s_mean", "durable_s_max", "copy_MB_per_s_mean")
+    return dict.fromkeys((*names, "flush_MB_per_s_mean", "arena_occupancy_max", "bytes_total"), 0.0)
+
+
 def test_summary_line_names_failures():
-    totals = dict.fromkeys(
-        (
-            "blocked_s_mean",
-            "blocked_s_max",
-            "durable_s_mean",
-            "durable_s_max",
-            "copy_MB_per_s_mean",
-            "flush_MB_per_s_mean",
-            "arena_occupancy_max",
-            "bytes_total",
-        ),
-        0.0,
-    )
+    totals = _zero_totals()
     line = summary_line({**totals, "checkpoints": 0.0, "failed": 2.0})
     assert line.startswith("lightning_datastates: 0 checkpoint(s)") and "2 FAILED" in line
     assert "CheckpointFlushError" in line
@@ -127,19 +121,6 @@ def test_summary_line_names_failures():
 def test_summary_line_says_why_saves_are_missing_from_the_count():
     """10 saves, one of them superseded (a ``last.ckpt`` saved again before its earlier save was written): the line
     counts 9 checkpoints and says what became of the tenth."""
-    totals = dict.fromkeys(
-        (
-            "blocked_s_mean",
-            "blocked_s_max",
-            "durable_s_mean",
-            "durable_s_max",
-            "copy_MB_per_s_mean",
-            "flush_MB_per_s_mean",
-            "arena_occupancy_max",
-            "bytes_total",
-            "failed",
-        ),
-        0.0,
-    )
+    totals = {**_zero_totals(), "failed": 0.0}
     line = summary_line({**totals, "checkpoints": 9.0, "superseded": 1.0})
     assert "9 checkpoint(s)" in line and "1 not written: a newer save or a removal of the same file came first" in line

@@ -156,9 +156,15 @@ def _is_local(fs: Any) -> bool:
 def _modified_s(fs: Any, path: str, max_age_s: float) -> float | None:
     """When the checkpoint at ``path`` was last written (a sharded directory: its ``meta.pt``, or the commit record
     of a switch to a new checkpoint that a dead run left half-way, which the cleanup at setup finishes before any
-    load), in seconds since the epoch; None if there is no whole checkpoint there."""
-    if not _exists(fs, path):
-        return None
+    load), in seconds since the epoch; None if there is no whole checkpoint there. ``path`` was just found to exist
+    (by :func:`_exists`, or listed): it is not asked again (on S3 a request each)."""
+    try:
+        return _modified_or_fail(fs, path, max_age_s)
+    except FileNotFoundError:
+        return None  # gone since it was found
+
+
+def _modified_or_fail(fs: Any, path: str, max_age_s: float) -> float | None:
     if fs.isdir(path):
         entries = {entry["name"].rstrip("/").rsplit("/", 1)[-1]: entry for entry in fs.ls(path, detail=True)}
         fs.invalidate_cache(path)  # the cleanup at setup may change it before the load, which may share this cache
