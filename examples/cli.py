@@ -1,16 +1,20 @@
 """Train with LightningCLI and one of the configs in ``configs/``: checkpointing is configured in yaml alone.
 
-    python examples/cli.py fit --config configs/local.yaml
+    python examples/cli.py fit --config configs/local.yaml --trainer.max_steps=200
     python examples/cli.py fit --config configs/local.yaml --trainer.max_steps=8 \\
-        --trainer.plugins.init_args.host_cache=256MiB --trainer.callbacks.init_args.dirpath=/tmp/ckpt
+        --trainer.callbacks.init_args.every_n_train_steps=4 --trainer.callbacks.init_args.dirpath=/tmp/ckpt
 
 Any setting can be overridden on the command line (``--print_config`` shows them all). Sizes take integers of
-bytes or strings such as ``8GiB``.
+bytes or strings such as ``8GiB``. A relative ``dirpath`` (``checkpoints`` in configs/local.yaml) is relative to the
+directory the command runs in; after ``fit`` this script prints where the checkpoints went.
 """
 
 from __future__ import annotations
 
+import os
+
 from gpt_data import TokenData
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_datastates.demo import GPT
@@ -24,7 +28,17 @@ class SmallGPT(GPT):
 
 
 def main() -> None:
-    LightningCLI(SmallGPT, TokenData)
+    cli = LightningCLI(SmallGPT, TokenData)
+    checkpoints = cli.trainer.checkpoint_callback
+    if cli.subcommand == "fit" and isinstance(checkpoints, ModelCheckpoint) and cli.trainer.is_global_zero:
+        # ModelCheckpoint made a local dirpath absolute (against the working directory) at setup; every file is
+        # committed once fit has returned.
+        directory = checkpoints.dirpath
+        if directory is not None and os.path.isdir(directory):
+            names = ", ".join(sorted(os.listdir(directory))) or "none (no save step was reached)"
+            print(f"checkpoints in {directory}: {names}")
+        else:
+            print(f"checkpoints in {directory}; the last one: {checkpoints.last_model_path or 'none'}")
 
 
 if __name__ == "__main__":

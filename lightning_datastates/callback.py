@@ -9,9 +9,11 @@ drains every pending write at the end of fit and on exceptions. It has the host 
 soon as its size is known (at train start with a ``host_cache``, else once the first optimizer step has created the
 optimizer's state), on the ranks that save through the plugin.
 
-It is added to every Trainer through the ``lightning.pytorch.callbacks_factory`` entry point, does nothing
-when the Trainer does not use ``DataStatesIO``, keeps no state in checkpoints, and tolerates being passed
-explicitly as well (the first instance to set up drives the plugin, the others stay idle). No storage here.
+The plugin adds it to the Trainers that save through a ``DataStatesIO`` (:func:`attach_callback`, run by
+:mod:`~lightning_datastates.compat.trainer_hooks` when Lightning builds a Trainer's callbacks); no other Trainer sees
+it. It keeps no state in checkpoints and tolerates being passed explicitly as well (the first instance to set up drives
+the plugin, the others stay idle). It knows the plugin only through its pipeline
+(:func:`~lightning_datastates.pipeline.trainer_pipeline`). No storage here.
 """
 
 from __future__ import annotations
@@ -27,12 +29,13 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_datastates.capture.admission import state_request_bytes
-from lightning_datastates.compat.lightning import override_file_exists, restore_file_exists, unwrap_checkpoint_io
+from lightning_datastates.compat.lightning import override_file_exists, restore_file_exists
 from lightning_datastates.compat.torch import local_shard, persistent_buffers, storage_identity
+from lightning_datastates.compat.trainer_hooks import is_logging_step
 from lightning_datastates.copy.pinning import cuda_device_of
 from lightning_datastates.metrics import CheckpointMetrics
-from lightning_datastates.plugin import DataStatesIO, pipeline_of
-from lightning_datastates.progress import drain_with_progress
+from lightning_datastates.pipeline import CheckpointPipeline, trainer_pipeline
+from lightning_datastates.progress import drain_on_interrupt, drain_with_progress
 from lightning_datastates.sharded.lightning import saves_with_dcp
 from lightning_datastates.snapshot.engine import LazyPredicate
 from lightning_datastates.strategies import bypass_reason, gathers_full_state, warn_if_bypassed
@@ -43,14 +46,14 @@ log = logging.getLogger("lightning_datastates")
 class DataStatesCallback(Callback):
     """Barriers, failure reporting and draining for :class:`~lightning_datastates.DataStatesIO`.
 
-    Users need not pass it: it is registered through an entry point. Passing it explicitly is harmless. It is the
-    plugin's :class:`~lightning_datastates.pipeline.PluginOwner`, and drives it through the plugin's pipeline
-    (:func:`~lightning_datastates.plugin.pipeline_of`).
+    Users need not pass it: the plugin adds it to the Trainer that uses it (:func:`attach_callback`). Passing it
+    explicitly is harmless. It is the plugin's :class:`~lightning_datastates.pipeline.PluginOwner`, and drives it
+    through the plugin's pipeline.
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self._plugin: DataStatesIO | None = None
+        self._pipeline: CheckpointPipeline | None = None
         self._trainer: Trainer | None = None
         self._armed = False  # inside the training loop, where the barriers below are guaranteed to run
         self._patched: list[ModelCheckpoint] = []
@@ -61,17 +64,14 @@ class DataStatesCallback(Callback):
     # ------------------------------------------------------------------ wiring
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Find the plugin; take charge of it unless another instance did; prepare ModelCheckpoint callbacks."""
-        plugin = find_plugin(trainer)
-        if plugin is None:
+        pipeline = trainer_pipeline(trainer)
+        if pipeline is None or not pipeline.attach(self):
             return
-        pipeline = pipeline_of(plugin)
-        if not pipeline.attach(self):
-            return
-        self._plugin, self._trainer = plugin, trainer
+        self._pipeline, self._trainer = pipeline, trainer
         if saves_with_dcp(trainer.strategy):
             pipeline.enable_sharded(trainer.strategy)  # sharded FSDP and ModelParallel save through DCP: take them over
         warn_if_bypassed(trainer.strategy)  # DeepSpeed: its saves never reach the plugin
-        self._metrics.start(plugin)
+        self._metrics.start(pipeline)
         # Run our hooks first, so the barrier precedes other callbacks' mutations (SWA at epoch start, ...).
         callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning, unannotated
         if callbacks and callbacks[0] is not self and self in callbacks:
@@ -80,7 +80,7 @@ class DataStatesCallback(Callback):
         pipeline.adopt_file_systems(trainer)  # before ModelCheckpoint's setup lists its directory
         for checkpoint_callback in trainer.checkpoint_callbacks:
             if isinstance(checkpoint_callback, ModelCheckpoint):
-                self._patch_file_exists(checkpoint_callback, plugin)
+                self._patch_file_exists(checkpoint_callback, pipeline)
         self._clean_checkpoint_directories(trainer)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -88,39 +88,44 @@ class DataStatesCallback(Callback):
         ``dirpath`` (from the logger) in its own setup, which Lightning runs after ours. A sharded checkpoint is
         restored after this hook (``restore_checkpoint_after_setup``), and a directory whose switch a dead run left
         half-way must be completed first: every rank waits here for rank 0's cleanup."""
-        if self._plugin is None:
+        if self._pipeline is None:
             return
         self._clean_checkpoint_directories(trainer)
-        if pipeline_of(self._plugin).saves_sharded:
+        if self._pipeline.saves_sharded:
             trainer.strategy.barrier("lightning_datastates: checkpoint directories cleaned")
 
     def _clean_checkpoint_directories(self, trainer: Trainer) -> None:
         """Rank 0: remove what dead runs left in each ``ModelCheckpoint``'s directory, once per directory and run."""
-        if self._plugin is None:
+        if self._pipeline is None:
             return
         for checkpoint_callback in trainer.checkpoint_callbacks:
             if not isinstance(checkpoint_callback, ModelCheckpoint) or not checkpoint_callback.dirpath:
                 continue
             # is_global_zero asked only where there is a directory to clean (a strategy half set up may not say)
             if trainer.is_global_zero:
-                pipeline_of(self._plugin).clean_once(str(checkpoint_callback.dirpath))
+                self._pipeline.clean_once(str(checkpoint_callback.dirpath))
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        """Undo :meth:`setup` (the plugin's own teardown drains the writes)."""
+        """Undo :meth:`setup`, and tear the plugin down: drain, and end its threads. Lightning's strategy tears down
+        its CheckpointIO as well, but a wrapper's teardown (``AsyncCheckpointIO``) does not reach the plugin inside;
+        a save the wrapper hands over later is one outside the training loop, which ends its own threads."""
+        pipeline = self._pipeline
         self._release()
+        if pipeline is not None:
+            pipeline.teardown()
 
     def _release(self) -> None:
-        if self._plugin is None:
+        pipeline = self._pipeline
+        if pipeline is None:
             return
         for checkpoint_callback in self._patched:
             restore_file_exists(checkpoint_callback)
         self._patched = []
         self._armed = False
-        pipeline = pipeline_of(self._plugin)
         if self._trainer is not None:
             pipeline.disable_sharded(self._trainer.strategy)
         pipeline.detach(self)
-        self._plugin, self._trainer = None, None
+        self._pipeline, self._trainer = None, None
 
     @property
     def in_training_loop(self) -> bool:
@@ -149,11 +154,11 @@ class DataStatesCallback(Callback):
         saves through it: the arena's page-locking (state on a GPU) then runs during training, not during the first
         checkpoint's copy. Where the estimate falls short (another callback saves large tensors), the first save
         makes the arena again, as without this."""
-        plugin = self._plugin
-        if plugin is None or self._arena_requested:
+        pipeline = self._pipeline
+        if pipeline is None or self._arena_requested:
             return
         self._arena_requested = True
-        if not self._saves_own_state(trainer, plugin):
+        if not self._saves_own_state(trainer, pipeline):
             return
         state = checkpoint_state_tensors(trainer, with_optimizer_state=not _weights_only(trainer))
         try:
@@ -164,18 +169,17 @@ class DataStatesCallback(Callback):
         except Exception as exc:  # noqa: BLE001 - only an early start: the first save makes the arena instead
             log.debug("lightning_datastates: no host arena made before the first save: %r", exc)
             return
-        pipeline_of(plugin).prepare_arena(request, cuda_device)
+        pipeline.prepare_arena(request, cuda_device)
 
     def _prepare_planning(self, trainer: Trainer) -> None:
         """Once per fit, after the first optimizer step (the optimizers' state exists): have the plugin compare its
         layout planner's fast path with ``torch.save`` on the model's and optimizers' state dicts now, on a rank that
         saves single files through it, so that this one-time comparison is not part of the first save call."""
-        plugin = self._plugin
-        if plugin is None or self._planning_prepared:
+        pipeline = self._pipeline
+        if pipeline is None or self._planning_prepared:
             return
         self._planning_prepared = True
-        pipeline = pipeline_of(plugin)
-        if pipeline.saves_sharded or not self._saves_own_state(trainer, plugin) or trainer.lightning_module is None:
+        if pipeline.saves_sharded or not self._saves_own_state(trainer, pipeline) or trainer.lightning_module is None:
             return
         sample: dict[str, Any] = {"state_dict": trainer.lightning_module.state_dict()}
         if not _weights_only(trainer):
@@ -183,22 +187,22 @@ class DataStatesCallback(Callback):
         pipeline.prepare_planning(sample)
 
     @staticmethod
-    def _saves_own_state(trainer: Trainer, plugin: DataStatesIO) -> bool:
+    def _saves_own_state(trainer: Trainer, pipeline: CheckpointPipeline) -> bool:
         """Whether this rank's saves of this fit reach the plugin and hold this rank's own training state."""
         strategy = trainer.strategy
         if bypass_reason(strategy) is not None or not trainer.checkpoint_callbacks:
             return False  # no save of this fit reaches the plugin (a manual save prepares itself, as before)
         # Otherwise this rank saves nothing, or saves state gathered from every rank: its own does not tell.
-        return pipeline_of(plugin).saves_sharded or (trainer.is_global_zero and not gathers_full_state(strategy))
+        return pipeline.saves_sharded or (trainer.is_global_zero and not gathers_full_state(strategy))
 
     # ------------------------------------------------------------------ barriers
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Arm lazy copies: from here on the barriers below run before any optimizer step."""
         self._check()
-        self._armed = self._plugin is not None
+        self._armed = self._pipeline is not None
         self._arena_requested = False
         self._planning_prepared = False
-        if self._plugin is not None and self._plugin.config.host_cache is not None:
+        if self._pipeline is not None and self._pipeline.config.host_cache is not None:
             self._prepare_arena(trainer)  # its size is the user's: known now
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -209,7 +213,10 @@ class DataStatesCallback(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         """After the first optimizer step (the optimizers' state exists now), have the host arena made; this runs
-        before ModelCheckpoint's save of the same batch (this callback runs first)."""
+        before ModelCheckpoint's save of the same batch (this callback runs first). At the steps where Lightning sends
+        its rows to the loggers (``log_every_n_steps``), send the rows of the checkpoints committed since."""
+        if self._pipeline is not None and is_logging_step(trainer):
+            self._metrics.log_committed(trainer)
         if trainer.global_step >= 1:
             self._prepare_arena(trainer)
             self._prepare_planning(trainer)
@@ -231,27 +238,31 @@ class DataStatesCallback(Callback):
         log the checkpoint metrics and print their summary while the loggers are still open."""
         self._barrier()
         self._armed = False
-        if self._plugin is not None:
-            drain_with_progress(trainer, self._plugin)
-            self._metrics.finish(trainer, self._plugin)  # on every rank, before a failure is raised: it syncs
+        if self._pipeline is not None:
+            drain_with_progress(trainer, self._pipeline)
+            self._metrics.finish(trainer, self._pipeline)  # on every rank, before a failure is raised: it syncs
             self._check()
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Drain: every checkpoint of this fit is on storage (or its failure raised) when fit returns."""
-        if self._plugin is not None:
-            self._plugin.drain()
+        if self._pipeline is not None:
+            self._pipeline.drain()
         self._check()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        """Drain, attach background failures to the exception instead of raising over it, and let go of the plugin."""
+        """Drain (saying what it waits for; a further Ctrl-C abandons the writes in flight, see
+        :func:`~lightning_datastates.progress.drain_on_interrupt`), attach background failures to the exception instead
+        of raising over it, and let go of the plugin."""
         self._armed = False
-        plugin = self._plugin
-        if plugin is None:
+        pipeline = self._pipeline
+        if pipeline is None:
             return
-        plugin.drain()
+        # Says what it waits for, with the drain bar; a further Ctrl-C abandons the writes in flight.
+        drain_on_interrupt(trainer, pipeline.engine, exception)
+        pipeline.drain()  # returns at once now: nothing outstanding, or abandoned
         while True:
             try:
-                pipeline_of(plugin).raise_pending_failure()
+                pipeline.raise_pending_failure()
                 break
             except Exception as failure:  # noqa: BLE001 - reported as a note, never swallowed
                 log.error("lightning_datastates: %s", failure)
@@ -261,24 +272,22 @@ class DataStatesCallback(Callback):
 
     # ------------------------------------------------------------------ helpers
     def _barrier(self) -> None:
-        if self._plugin is not None:
-            pipeline_of(self._plugin).barrier()
+        if self._pipeline is not None:
+            self._pipeline.barrier()
         self._check()
 
     def _check(self) -> None:
-        if self._plugin is not None:
-            pipeline_of(self._plugin).raise_pending_failure()
-            if self._trainer is not None:
-                self._metrics.observe(self._trainer, self._plugin)
+        if self._pipeline is not None:
+            self._pipeline.raise_pending_failure()
+            self._metrics.observe(self._pipeline)
 
-    def _patch_file_exists(self, checkpoint_callback: ModelCheckpoint, plugin: DataStatesIO) -> None:
+    def _patch_file_exists(self, checkpoint_callback: ModelCheckpoint, pipeline: CheckpointPipeline) -> None:
         """Make ModelCheckpoint see files as a synchronous run would: pending saves exist, deferred removals don't.
 
         ModelCheckpoint picks version suffixes (``-v1``) by asking whether a file exists; a checkpoint still in
         flight must count, and one whose removal waits for newer checkpoints to land must not, or names would
         differ from a synchronous run.
         """
-        pipeline = pipeline_of(plugin)
         override_file_exists(checkpoint_callback, pipeline.counts_as_existing, pipeline.storage_unreachable)
         self._patched.append(checkpoint_callback)
 
@@ -302,15 +311,16 @@ def optimizer_state_tensors(trainer: Trainer) -> Iterator[torch.Tensor]:
                     yield value
 
 
-def find_plugin(trainer: Trainer) -> DataStatesIO | None:
-    """The trainer's ``DataStatesIO``, looking through wrapping CheckpointIOs; None if it has none."""
-    checkpoint_io = unwrap_checkpoint_io(getattr(trainer.strategy, "checkpoint_io", None))
-    return checkpoint_io if isinstance(checkpoint_io, DataStatesIO) else None
-
-
-def callbacks_factory() -> list[Callback]:
-    """Entry point for ``lightning.pytorch.callbacks_factory``: one idle-unless-needed callback per Trainer."""
-    return [DataStatesCallback()]
+def attach_callback(trainer: Trainer) -> None:
+    """Give ``trainer`` a :class:`DataStatesCallback` if its strategy saves through a ``DataStatesIO`` (wrapped or
+    not) and none is there yet; leave any other Trainer alone. Run by
+    :func:`~lightning_datastates.compat.trainer_hooks.after_callbacks_configured` each time Lightning builds the
+    callback list (Trainer init, start of every fit), on that thread; idempotent."""
+    if trainer_pipeline(trainer) is None:
+        return
+    callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning, unannotated
+    if not any(isinstance(callback, DataStatesCallback) for callback in callbacks):
+        callbacks.insert(0, DataStatesCallback())  # first: its barriers precede other callbacks' mutations
 
 
 def _weights_only(trainer: Trainer) -> bool:

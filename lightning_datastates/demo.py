@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict[str, Run]:
     if not 1 <= every <= steps:
         raise SystemExit(f"--every must be between 1 and --steps ({steps}), got {every}")
     torch.set_num_threads(args.threads)
-    for name in ("lightning.pytorch", "lightning.fabric"):  # Trainer banners, "Adding 1 callbacks from entry point"
+    for name in ("lightning.pytorch", "lightning.fabric"):  # the Trainer's banners (GPU available, ...)
         logging.getLogger(name).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*LeafSpec.*")  # lightning 2.6 vs torch 2.13 deprecation noise

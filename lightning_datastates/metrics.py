@@ -1,7 +1,9 @@
 """What checkpointing cost, in the Trainer's loggers and as a one-line summary at the end of training.
 
 Per checkpoint, once it is committed (the callback looks at every hook where it runs), one row goes to each of the
-Trainer's loggers under the ``datastates/`` prefix, at the step Lightning's own ``self.log`` would use:
+Trainer's loggers under the ``datastates/`` prefix, at the next training step where Lightning sends its own rows
+(``Trainer(log_every_n_steps=...)``, as ``LearningRateMonitor`` does; what is committed after the last such step goes
+at the end of training), with that step:
 
 ==============================  ========================================================================================
 key                             meaning
@@ -21,7 +23,7 @@ way Lightning syncs the metric objects given to ``self.log``), so every rank mus
 ``datastates/checkpoints``, and printed as one line on global rank zero. Checkpoints are saved by global rank 0
 only, so the other ranks contribute nothing but their (empty) share of the sync.
 
-Nothing is logged when the Trainer has no logger; the summary is printed all the same.
+Nothing is logged when the Trainer has no logger (``logger=False``); the summary is printed all the same.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from lightning.pytorch import Trainer
 from torchmetrics import MaxMetric, MeanMetric, Metric, SumMetric
 
 from lightning_datastates.compat.lightning import logging_step
-from lightning_datastates.plugin import DataStatesIO, pipeline_of
+from lightning_datastates.pipeline import CheckpointPipeline
 from lightning_datastates.records.job import JobState, SnapshotStats
 
 #: Every metric key starts with this.
@@ -67,11 +69,14 @@ class _Watched:
 class CheckpointMetrics:
     """Collects :class:`~lightning_datastates.SnapshotStats` as checkpoints finish; logs and aggregates them.
 
-    Thread model: every method is called on the training thread (from the callback's hooks).
+    Thread model: every method is called on the training thread (from the callback's hooks). Call order per fit:
+    :meth:`start`; :meth:`observe` at any hook and :meth:`log_committed` at the steps where Lightning logs, any number
+    of times; :meth:`finish` at the end of training.
     """
 
     def __init__(self) -> None:
         self._watched: list[_Watched] = []
+        self._unlogged: list[_Watched] = []  # final (committed, failed or superseded), not yet logged nor counted
         self._last_seen: SnapshotStats | None = None
         # name -> metric; ``compute`` syncs across processes, so all ranks update (or not) the same set.
         self.aggregates: dict[str, Metric] = {
@@ -90,16 +95,19 @@ class CheckpointMetrics:
         self._device: torch.device | None = None
         self._reset_aggregates()
 
-    def start(self, plugin: DataStatesIO) -> None:
-        """Begin a fit: checkpoints already in ``plugin``'s history are not this fit's; the aggregates start empty."""
-        history = plugin.stats
+    def start(self, pipeline: CheckpointPipeline) -> None:
+        """Begin a fit: checkpoints already in ``pipeline``'s history are not this fit's; the aggregates start
+        empty."""
+        history = pipeline.stats
         self._last_seen = history[-1] if history else None
         self._watched = []
+        self._unlogged = []
         self._reset_aggregates()
 
-    def observe(self, trainer: Trainer, plugin: DataStatesIO) -> None:
-        """Pick up new checkpoints, sample the arena, and log every checkpoint that became final since last time."""
-        history = plugin.stats
+    def observe(self, pipeline: CheckpointPipeline) -> None:
+        """Pick up new checkpoints, sample the arena, and keep every checkpoint that became final since last time
+        for :meth:`log_committed`."""
+        history = pipeline.stats
         new: list[SnapshotStats] = []
         for stats in reversed(history):  # newest first, down to the last one already seen
             if stats is self._last_seen:
@@ -110,7 +118,7 @@ class CheckpointMetrics:
         self._watched.extend(_Watched(stats) for stats in reversed(new))
         if not self._watched:
             return
-        occupancy = pipeline_of(plugin).arena_occupancy()
+        occupancy = pipeline.arena_occupancy()
         finished: list[_Watched] = []
         for watched in self._watched:
             if occupancy is not None:
@@ -119,14 +127,22 @@ class CheckpointMetrics:
                 finished.append(watched)
         if finished:
             self._watched = [w for w in self._watched if w.stats.durable_s is None]
+            self._unlogged.extend(finished)
+
+    def log_committed(self, trainer: Trainer) -> None:
+        """Send each checkpoint that became final since the last call to the loggers (committed ones) and the
+        aggregates, at the step Lightning logs now."""
+        finished, self._unlogged = self._unlogged, []
+        if finished:
             self._record(trainer, finished)
 
-    def finish(self, trainer: Trainer, plugin: DataStatesIO) -> None:
+    def finish(self, trainer: Trainer, pipeline: CheckpointPipeline) -> None:
         """After the drain: log what is left, then the aggregates; print the summary; start over for the next fit.
 
         Every rank must call this (the aggregates sync across processes).
         """
-        self.observe(trainer, plugin)
+        self.observe(pipeline)
+        self.log_committed(trainer)
         self._move_to(trainer.strategy.root_device)
         with warnings.catch_warnings():
             # Ranks other than 0 save nothing: computing with no update is expected there, not a mistake.
@@ -139,7 +155,7 @@ class CheckpointMetrics:
         if totals["checkpoints"] > 0:
             _log(trainer, {PREFIX + name: value for name, value in totals.items() if name not in _COUNTED_ONLY})
         if trainer.is_global_zero:
-            print(summary_line(totals, plugin.config.on_flush_error), flush=True)
+            print(summary_line(totals, pipeline.config.on_flush_error), flush=True)
 
     def _record(self, trainer: Trainer, finished: list[_Watched]) -> None:
         self._move_to(trainer.strategy.root_device)

@@ -8,8 +8,9 @@ each checkpoint to the engine, orders loads and removals after pending writes, a
 :class:`~lightning_datastates.errors.CheckpointFlushError`. It is the
 :class:`~lightning_datastates.sharded.saver.SaverHost` of sharded saves.
 
-The callback, the metrics, the demo, the benchmark and the tests reach it through
-:func:`lightning_datastates.plugin.pipeline_of`; this module does not import the plugin. A pickled plugin (ddp_spawn,
+The demo, the benchmark and the tests reach it through :func:`lightning_datastates.plugin.pipeline_of`; the callback
+and the metrics, which know a Trainer, not the plugin, through :func:`trainer_pipeline`. This module does not import the
+plugin: the plugin registers each pipeline it makes (:func:`register_pipeline`). A pickled plugin (ddp_spawn,
 LightningCLI) gets a new pipeline: engine, threads, writers and owner stay behind.
 """
 
@@ -18,13 +19,19 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from typing import IO, TYPE_CHECKING, Any, NoReturn, Protocol, cast
 
 import fsspec
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_datastates.compat.lightning import CheckpointPath, checkpoint_path_str, use_file_system
+from lightning_datastates.compat.lightning import (
+    CheckpointPath,
+    checkpoint_path_str,
+    unwrap_checkpoint_io,
+    use_file_system,
+)
 from lightning_datastates.config import DataStatesConfig
 from lightning_datastates.errors import CheckpointFlushError
 from lightning_datastates.interrupts import sigint_deferred
@@ -40,6 +47,10 @@ if TYPE_CHECKING:
     from lightning_datastates.sharded.saver import ShardedSaver
 
 log = logging.getLogger("lightning_datastates")
+
+#: Each plugin's pipeline, by plugin (weakly: a plugin dropped takes its entry along). Written when a plugin is made or
+#: unpickled, read by :func:`trainer_pipeline`; any thread (the dictionary's own operations are atomic under the GIL).
+_PIPELINES: weakref.WeakKeyDictionary[Any, CheckpointPipeline] = weakref.WeakKeyDictionary()
 
 
 class PluginOwner(Protocol):
@@ -92,6 +103,9 @@ class CheckpointPipeline:
             raise CheckpointFlushError(f"cannot write checkpoint {path}: {exc}", path) from exc
         if awaits_commit:
             self.wait_for_commit(path)
+            # Nothing of the training loop follows to drain or tear down: the threads end now, as a synchronous save
+            # leaves none behind (the next save starts them again).
+            self.engine.close()
         stats.save_call_s = time.perf_counter() - started
 
     def wait_for_commit(self, path: str) -> None:
@@ -259,8 +273,8 @@ class CheckpointPipeline:
         store the plugin writes to: Lightning's own is made without them. Before Lightning resolves
         ``ckpt_path="last"`` and at the callback's setup (before ``ModelCheckpoint``'s own); idempotent."""
         options = self.config.storage_options
-        if not options:
-            return  # Lightning's file system reads the same environment as ours
+        # Even without options: on S3, ours has the timeouts of storage_options' timeout_s (a silent endpoint fails in
+        # about a minute; Lightning's waits minutes).
         for callback in trainer.checkpoint_callbacks:
             dirpath = getattr(callback, "dirpath", None)
             if not isinstance(callback, ModelCheckpoint) or dirpath is None or "://" not in str(dirpath):
@@ -343,3 +357,20 @@ class CheckpointPipeline:
 
 def _every_storage(storage: Any) -> bool:
     return True
+
+
+def register_pipeline(plugin: Any, pipeline: CheckpointPipeline) -> None:
+    """Record that ``plugin`` (a ``DataStatesIO``) saves and loads through ``pipeline``: the plugin's ``__init__`` and
+    ``__setstate__``, before the plugin is handed to a Trainer."""
+    _PIPELINES[plugin] = pipeline
+
+
+def trainer_pipeline(trainer: Any) -> CheckpointPipeline | None:
+    """The pipeline of the ``DataStatesIO`` that ``trainer``'s strategy saves through, looking through wrapping
+    CheckpointIOs (``AsyncCheckpointIO``); None for a Trainer that does not use one. Any thread."""
+    strategy = getattr(trainer, "strategy", None)
+    checkpoint_io = unwrap_checkpoint_io(getattr(strategy, "checkpoint_io", None))
+    try:
+        return _PIPELINES.get(checkpoint_io)
+    except TypeError:  # an unhashable CheckpointIO of somebody else's is not ours
+        return None

@@ -5,8 +5,8 @@ user's ``config``, ``stats`` and ``drain()``, and hands the rest to its
 :class:`~lightning_datastates.pipeline.CheckpointPipeline`, which hands each checkpoint to the
 :class:`~lightning_datastates.snapshot.engine.SnapshotEngine`, orders loads and removals after pending
 writes, and turns background failures into :class:`~lightning_datastates.errors.CheckpointFlushError`.
-Its companion :class:`~lightning_datastates.callback.DataStatesCallback` supplies the barriers, reaching the pipeline
-through :func:`pipeline_of`.
+Its companion :class:`~lightning_datastates.callback.DataStatesCallback` supplies the barriers: the plugin has it added
+to every Trainer that saves through it, and to no other (:func:`~lightning_datastates.callback.attach_callback`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ from typing import Any
 
 from lightning.pytorch.plugins.io import CheckpointIO
 
+from lightning_datastates.callback import attach_callback
 from lightning_datastates.compat.last_checkpoint import resolve_last_checkpoint
-from lightning_datastates.compat.lightning import CheckpointPath, unwrap_checkpoint_io
+from lightning_datastates.compat.lightning import CheckpointPath
+from lightning_datastates.compat.trainer_hooks import after_callbacks_configured
 from lightning_datastates.config import (
     DEFAULT_STALE_AGE_S,
     USER_SETTINGS,
@@ -26,8 +28,9 @@ from lightning_datastates.config import (
     FlushErrorPolicy,
     Size,
 )
-from lightning_datastates.pipeline import CheckpointPipeline
+from lightning_datastates.pipeline import CheckpointPipeline, register_pipeline, trainer_pipeline
 from lightning_datastates.records.job import SnapshotStats
+from lightning_datastates.warning_display import show_warnings_plainly
 
 
 def on_cpu(storage: Any, location: str) -> Any:
@@ -38,60 +41,68 @@ def on_cpu(storage: Any, location: str) -> Any:
 
 
 class DataStatesIO(CheckpointIO):
-    """Checkpoint without stalling training: ``Trainer(plugins=[DataStatesIO()])``.
+    """Checkpoint without stalling training: Trainer(plugins=[DataStatesIO()]).
 
     Inside fit's training loop, ``save_checkpoint`` snapshots the non-tensor part of the checkpoint and the
     tensors that may change before the next optimizer step, then returns; parameters and optimizer state are
     copied into a host arena while the next forward and backward run, and written to storage from there in the
     background, local files with direct I/O where the file system supports it (the end of fit waits for them).
     Anywhere else (``trainer.save_checkpoint`` after fit, ``validate``, the plugin used on its own) it returns once
-    the file is committed, as Lightning's default does. Files are plain Lightning checkpoints, published atomically
-    under their final name once complete.
+    the file is committed, as Lightning's default does, and its threads have ended. Files are plain Lightning
+    checkpoints, published atomically under their final name once complete. A Trainer given this plugin gets the
+    :class:`~lightning_datastates.DataStatesCallback` that drives it (passing one yourself is harmless).
+
+    The first line and the arguments are plain text (no markup): LightningCLI shows them as they are in ``--help``.
 
     Args:
-        host_cache: host memory for snapshots (bytes, or a string such as ``"8GiB"``). ``None`` (default) sizes it
+        host_cache: host memory for snapshots (bytes, or a string such as "8GiB"). None (default) sizes it
             to hold two checkpoints, estimated after the first optimizer step (at least 64 MiB, at most half the
             available memory). Checkpoints larger than the arena stream
             through it; when it is full, the next copy waits for a flush to free space.
         writer_threads: threads writing to storage in parallel (default 4).
-        chunk_size: most bytes copied and written as one piece (default ``"64MiB"``; at most a quarter of the
+        chunk_size: most bytes copied and written as one piece (default "64MiB"; at most a quarter of the
             arena is used).
-        eager_copy_size: tensors in host memory of at most this size are copied inside ``save_checkpoint`` (default
-            ``"64KiB"``): cheaper than scheduling them, and safe for small state that changes anywhere. Device
+        eager_copy_size: tensors in host memory of at most this size are copied inside save_checkpoint (default
+            "64KiB"): cheaper than scheduling them, and safe for small state that changes anywhere. Device
             (GPU) tensors are copied after the save call wherever the barrier covers them, whatever their size.
-        storage_options: options for the fsspec file system of non-local paths (``s3://``, ``memory://``, ...),
-            e.g. ``{"key": ..., "secret": ..., "endpoint_url": ...}``; used for saving, loading and removing.
-            For ``s3://`` it also takes the multipart writer's ``part_size_bytes`` (default 16 MiB),
-            ``max_concurrent_parts`` (8; parts uploaded, or ranges read on load, at once), ``retries`` (3),
-            ``timeout_s`` (120) and ``read_range_bytes`` (bytes per ranged GET on load; default: the object split
-            evenly over ``max_concurrent_parts`` ranges of 8 to 256 MiB).
-        on_flush_error: ``"raise"`` (default): a checkpoint that fails to reach storage raises
-            ``CheckpointFlushError`` on the training thread at the next hook; ``"warn"``: it is logged as a warning
+        storage_options: options for the fsspec file system of non-local paths (s3://, memory://, ...),
+            e.g. {"key": ..., "secret": ..., "endpoint_url": ...}; used for saving, loading and removing.
+            For s3:// it also takes the multipart writer's part_size_bytes (default 16 MiB),
+            max_concurrent_parts (8; parts uploaded, or ranges read on load, at once), retries (3; each retry
+            logged as a warning), timeout_s (10: the longest the endpoint may stay silent while connecting or
+            answering, and the limit of one attempt of a request that moves no data; an endpoint that never answers
+            fails a request in about a minute), min_bytes_per_s (the slowest link tolerated, default "2MiB": an
+            attempt moving n bytes may take timeout_s + n * max_concurrent_parts / min_bytes_per_s) and
+            read_range_bytes (bytes per ranged GET on load; default: the object split evenly over
+            max_concurrent_parts ranges of 8 to 256 MiB). ModelCheckpoint lists and checks its s3:// directory
+            with these options too.
+        on_flush_error: "raise" (default): a checkpoint that fails to reach storage raises
+            CheckpointFlushError on the training thread at the next hook; "warn": it is logged as a warning
             naming the path and the cause, and training goes on.
-        on_arena_full: ``"wait"`` (default): a save whose copy needs arena space still held by earlier checkpoints
-            waits for their flush (back-pressure); ``"skip"``: that checkpoint is skipped with a warning (nothing is
+        on_arena_full: "wait" (default): a save whose copy needs arena space still held by earlier checkpoints
+            waits for their flush (back-pressure); "skip": that checkpoint is skipped with a warning (nothing is
             written, and the removals it would allow are dropped, so older checkpoints stay).
         stale_after_s: temporary files of other hosts and open S3 uploads whose writer cannot be asked are removed
             once this old (default 3600); those of dead processes on this host at once.
         verify_checksums: check every record of a checkpoint against its CRC-32 before loading it (default True);
-            a damaged file raises :class:`~lightning_datastates.errors.CheckpointCorruptError` naming the file and
+            a damaged file raises CheckpointCorruptError naming the file and
             the record. Checksums are always written; False only skips the check on load.
-        storage_alignment: ``None`` (default): torch's own record alignment (64 bytes), as ``torch.save``. A power
-            of two (bytes, e.g. ``4096`` or ``"4KiB"``): every tensor's data starts at a file offset that is a
+        storage_alignment: None (default): torch's own record alignment (64 bytes), as torch.save. A power
+            of two (bytes, e.g. 4096 or "4KiB"): every tensor's data starts at a file offset that is a
             multiple of it (the file stays a plain torch file, a little larger), so that with direct I/O no block is
-            shared by two tensors; a Lustre stripe size (``"16MiB"``) pads each tensor more.
-        direct_io: how local files are written. ``"auto"`` (default): on local disks and parallel file systems
-            (ext4, XFS, btrfs, Lustre, GPFS, ...), whole aligned 4 KiB blocks with direct I/O (``O_DIRECT``: no copy
+            shared by two tensors; a Lustre stripe size ("16MiB") pads each tensor more.
+        direct_io: how local files are written. "auto" (default): on local disks and parallel file systems
+            (ext4, XFS, btrfs, Lustre, GPFS, ...), whole aligned 4 KiB blocks with direct I/O (O_DIRECT: no copy
             into the page cache, no writeback later), the rest (each tensor's first and last partial block, the
             metadata) through the page cache; on network and FUSE file systems (NFS, SMB, ...) and tmpfs, or where
-            the file system refuses direct I/O, everything through the page cache, quietly. ``True``: direct I/O
-            on every file system that accepts it, with a warning once per directory where refused. ``False``:
+            the file system refuses direct I/O, everything through the page cache, quietly. True: direct I/O
+            on every file system that accepts it, with a warning once per directory where refused. False:
             always the page cache (tensors already in host memory are then written straight from the training
-            state where possible, see the README).
+            state where possible, see docs/how-it-works.md, "The pipeline").
         serve_from_memory: keep each written checkpoint's bytes in the host arena until the space is needed
             (default True): loading a checkpoint still whole there (typically the newest) reads it from memory, not
-            from storage, if the file on storage is unchanged since its commit (checked by a ``stat``, or a HEAD on
-            S3). It never takes memory beyond ``host_cache``: new snapshots evict retained ones, oldest first.
+            from storage, if the file on storage is unchanged since its commit (checked by a stat, or a HEAD on
+            S3). It never takes memory beyond host_cache: new snapshots evict retained ones, oldest first.
             False: arena space is freed as soon as it is written.
     """
 
@@ -114,11 +125,7 @@ class DataStatesIO(CheckpointIO):
         # name, so that the settings are spelled in two places only, this signature and the config's fields.
         settings = {name: value for name, value in locals().items() if name in USER_SETTINGS}
         super().__init__()
-        # The settings, the engine, the storage writers, the owner, the sharded saver: all of it (pipeline.py).
-        self._pipeline = self._new_pipeline(DataStatesConfig(**settings))
-        # Lightning resolves fit(ckpt_path="last") before any hook of ours runs, cannot at a URL, and takes a sharded
-        # directory a dead save left torn: fixed for the Trainers that use a DataStatesIO (compat/last_checkpoint.py).
-        resolve_last_checkpoint(_prepare_for_last)
+        self._install_pipeline(DataStatesConfig(**settings))
 
     # ------------------------------------------------------------------ CheckpointIO
     def save_checkpoint(
@@ -195,6 +202,20 @@ class DataStatesIO(CheckpointIO):
         self._pipeline.drain()
 
     # ------------------------------------------------------------------ pipeline (subclasses), pickling
+    def _install_pipeline(self, config: DataStatesConfig) -> None:
+        """Make this plugin's pipeline (in ``__init__`` and in an unpickled copy, another process's) and what every
+        Trainer that uses the plugin needs, installed once per process."""
+        # The settings, the engine, the storage writers, the owner, the sharded saver: all of it (pipeline.py).
+        self._pipeline = self._new_pipeline(config)
+        register_pipeline(self, self._pipeline)  # how the callback and the hooks below find it from a Trainer
+        # The callback that drives the barriers, in the Trainers that save through a DataStatesIO and no other.
+        after_callbacks_configured(attach_callback)
+        # Lightning resolves fit(ckpt_path="last") before any hook of ours runs, cannot at a URL, and takes a sharded
+        # directory a dead save left torn: fixed for the Trainers that use a DataStatesIO (compat/last_checkpoint.py).
+        resolve_last_checkpoint(_prepare_for_last)
+        # Our warnings (back-pressure, a strategy that bypasses the plugin) as one line above the progress bar.
+        show_warnings_plainly()
+
     def _new_pipeline(self, config: DataStatesConfig) -> CheckpointPipeline:
         """A new pipeline with settings ``config``: in ``__init__`` (before a subclass's own ``__init__`` goes on)
         and in an unpickled copy. A subclass may return a subclass of
@@ -213,8 +234,7 @@ class DataStatesIO(CheckpointIO):
         state = dict(state)
         config = state.pop("config")
         self.__dict__.update(state)
-        self._pipeline = self._new_pipeline(config)
-        resolve_last_checkpoint(_prepare_for_last)  # a spawned worker's own process: installed there too
+        self._install_pipeline(config)  # a spawned worker's own process: installed there too
 
 
 def pipeline_of(plugin: DataStatesIO) -> CheckpointPipeline:
@@ -228,8 +248,8 @@ def _prepare_for_last(trainer: Any) -> float | None:
     """For ``fit(ckpt_path="last")`` of a ``trainer`` that saves and loads through a :class:`DataStatesIO` (wrapped or
     not): its ``ModelCheckpoint``s look at the plugin's store (``CheckpointPipeline.adopt_file_systems``), and the
     plugin's ``stale_after_s``; None (nothing done) for a Trainer without one."""
-    checkpoint_io = unwrap_checkpoint_io(trainer.strategy.checkpoint_io)
-    if not isinstance(checkpoint_io, DataStatesIO):
+    pipeline = trainer_pipeline(trainer)
+    if pipeline is None:
         return None
-    checkpoint_io._pipeline.adopt_file_systems(trainer)
-    return checkpoint_io.config.stale_after_s
+    pipeline.adopt_file_systems(trainer)
+    return pipeline.config.stale_after_s

@@ -1,28 +1,35 @@
-"""A progress bar for the checkpoint bytes still being written when training ends.
+"""A progress bar for the checkpoint bytes still being written when training ends or is interrupted.
 
 Training can end while the last checkpoints are still on their way to storage; fit then waits for them. So that
 this wait is not a silent pause, :func:`drain_with_progress` shows the bytes left to write in the style of the
 Trainer's own progress bar: a rich bar when the Trainer uses ``RichProgressBar``, a tqdm bar otherwise. It shows
 nothing when the Trainer has no progress bar (``enable_progress_bar=False``), on ranks other than global zero
 (Lightning disables their bar), and when nothing is pending.
+
+:func:`drain_on_interrupt` is the same wait after an exception (Ctrl+C among them: the callback's ``on_exception``),
+announced by one line that says what it waits for, and cut short by a further Ctrl+C, which abandons the writes in
+flight (:meth:`~lightning_datastates.snapshot.engine.SnapshotEngine.abandon`) so that the process ends at once.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
 
 from lightning_datastates.compat.lightning import Tqdm
-from lightning_datastates.records.job import SnapshotStats
+from lightning_datastates.interrupts import sigint_sets
+from lightning_datastates.records.job import JobState, SnapshotStats
+from lightning_datastates.snapshot.engine import Abandoned, SnapshotEngine
 
-if TYPE_CHECKING:
-    from lightning_datastates.plugin import DataStatesIO
+log = logging.getLogger("lightning_datastates")
 
 #: Seconds between two refreshes of the bar.
 REFRESH_S = 0.1
@@ -33,9 +40,23 @@ class _Bar(Protocol):
     def show(self, done_bytes: int) -> None: ...
 
 
-def drain_with_progress(trainer: Trainer, plugin: DataStatesIO) -> None:
-    """Wait until every pending checkpoint is committed or failed, showing the bytes left if the Trainer has a bar."""
-    pending = [stats for stats in plugin.stats if stats.durable_s is None]
+class Drainable(Protocol):
+    """What :func:`drain_with_progress` waits on: the plugin, or its pipeline (``pipeline_of(plugin)``)."""
+
+    @property
+    def stats(self) -> list[SnapshotStats]:
+        """What recent checkpoints cost, most recent last (``durable_s`` None: still pending)."""
+        ...
+
+    def drain(self) -> None:
+        """Wait until every pending checkpoint is committed or failed."""
+        ...
+
+
+def drain_with_progress(trainer: Trainer, plugin: Drainable) -> None:
+    """Wait until every pending checkpoint of ``plugin`` (the plugin or its pipeline) is committed or failed, showing
+    the bytes left if the Trainer has a bar."""
+    pending = _unfinished(plugin.stats)
     bar_callback = trainer.progress_bar_callback
     # Lightning's bars disable themselves on other ranks than global zero and with refresh_rate=0.
     if pending and bar_callback is not None and getattr(bar_callback, "is_enabled", True):
@@ -46,6 +67,91 @@ def drain_with_progress(trainer: Trainer, plugin: DataStatesIO) -> None:
                 time.sleep(REFRESH_S)
             bar.show(total)
     plugin.drain()  # anything the loop did not watch, and the engine's own bookkeeping
+
+
+def drain_on_interrupt(trainer: Trainer, engine: SnapshotEngine, exception: BaseException) -> bool:
+    """After ``exception`` stopped the run: wait until every pending save of ``engine`` (the plugin's:
+    ``pipeline_of(plugin).engine``) is committed or failed, saying so, unless a Ctrl+C comes meanwhile, which abandons
+    them; return whether they were abandoned.
+
+    Call order: the callback's ``on_exception``, on the main thread, before it reports the pending failures. With
+    writes pending it first logs one line (a warning, so that a terminal shows it without any logging set up): how many
+    checkpoints, how many MiB are left, and, where a Ctrl+C can reach this wait, that pressing it again abandons them.
+    Then it shows the bar of :func:`drain_with_progress`. A Ctrl+C during the wait (Lightning ignores SIGINT during its
+    shutdown: :func:`~lightning_datastates.interrupts.sigint_sets` takes it over for the wait) abandons the writes
+    (:meth:`~lightning_datastates.snapshot.engine.SnapshotEngine.abandon`): checkpoints committed before stay whole,
+    nothing half-written is published, no older checkpoint is removed; this returns True and the caller goes on with
+    its shutdown (Lightning's teardown, then its exit), which then waits for nothing more.
+    """
+    if not engine.pending.outstanding():
+        return False
+    pending = _unfinished(engine.history)
+    abandon = threading.Event()
+    with sigint_sets(abandon, interrupted=isinstance(exception, KeyboardInterrupt)) as catchable:
+        log.warning("lightning_datastates: %s", _waiting_line(pending, len(engine.pending.outstanding()), catchable))
+        with _optional_bar(trainer, sum(stats.total_bytes for stats in pending)) as bar:
+            # Polled, not a blocking wait: the SIGINT handler only sets the event (a handler must not take locks
+            # the interrupted wait may hold), and a sleep returns to it within REFRESH_S.
+            while engine.pending.outstanding() and not abandon.is_set():
+                bar.show(_done_bytes(pending))
+                time.sleep(REFRESH_S)
+            if not abandon.is_set():
+                bar.show(_done_bytes(pending))
+    if not abandon.is_set():
+        engine.drain()  # nothing is left: the engine's own bookkeeping
+        return False
+    log.warning("lightning_datastates: Ctrl-C: abandoning the checkpoints still being written")
+    log.warning("lightning_datastates: %s", _abandoned_line(engine.abandon()))
+    return True
+
+
+def _unfinished(history: Iterable[SnapshotStats]) -> list[SnapshotStats]:
+    """The checkpoints of ``history`` not yet committed or failed. A skipped one (``on_arena_full="skip"``) never gets a
+    ``durable_s``: it has nothing to write and is left out, or a drain would wait for it forever."""
+    return [stats for stats in history if stats.durable_s is None and stats.state != JobState.SKIPPED.value]
+
+
+def _waiting_line(pending: list[SnapshotStats], entries: int, catchable: bool) -> str:
+    """What the wait after an exception waits for (``entries``: pending saves, sharded commits included)."""
+    count = len(pending) or entries
+    left = sum(stats.total_bytes - min(stats.written_bytes, stats.total_bytes) for stats in pending)
+    line = (
+        f"waiting for {count} checkpoint{'s' if count != 1 else ''} still being written "
+        f"({left / 1024**2:.1f} MiB left) before shutting down"
+    )
+    return line + ("; press Ctrl-C again to abandon them (earlier checkpoints stay whole)" if catchable else "")
+
+
+def _abandoned_line(abandoned: Abandoned) -> str:
+    """What an abandon gave up, and what is left for ``clean``."""
+    count = len(abandoned.paths)
+    line = (
+        f"abandoned {count} checkpoint{'s' if count != 1 else ''} in flight ({', '.join(abandoned.paths)}); the "
+        "checkpoints committed before are whole"
+    )
+    if abandoned.unfinished:
+        line += (
+            f". {len(abandoned.unfinished)} of them {'is' if len(abandoned.unfinished) == 1 else 'are'} still in a "
+            f"storage call ({', '.join(abandoned.unfinished)}): if the process ends first, what they leave is removed "
+            "by `python -m lightning_datastates clean DIR` or the next run's setup"
+        )
+    return line
+
+
+class _NoBar:
+    def show(self, done_bytes: int) -> None:
+        pass
+
+
+@contextmanager
+def _optional_bar(trainer: Trainer, total_bytes: int) -> Iterator[_Bar]:
+    """The bar of :func:`drain_with_progress` where the Trainer shows one and there are bytes to show; else none."""
+    bar_callback = trainer.progress_bar_callback
+    if total_bytes and bar_callback is not None and getattr(bar_callback, "is_enabled", True):
+        with open_bar(bar_callback, total_bytes) as bar:
+            yield bar
+    else:
+        yield _NoBar()
 
 
 def _done_bytes(pending: list[SnapshotStats]) -> int:

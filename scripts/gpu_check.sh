@@ -17,7 +17,7 @@
 #      sharded save, DCP async_save and DataStatesIO side by side (a 40M GPT: it proves the path on NCCL and a GPU;
 #      its steps are too short for the copy to overlap them).
 # status.txt holds one line per step: its name and exit status (124: its timeout ended it). The script's own exit
-# status is 1 if any step failed (but install, where the entry-point fallback let the callback check pass).
+# status is 1 if any step failed (but install, where the checkout on PYTHONPATH let the callback check pass).
 # Usage: bash scripts/gpu_check.sh [OUTPUT_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,22 +38,13 @@ step() {
     return "$status"
 }
 
-register_entry_point() {
-    # importlib.metadata finds a dist-info directory on sys.path: enough for Lightning's callbacks_factory lookup.
-    local info="$PWD/.ep/lightning_datastates-0.1.0.dist-info"
-    mkdir -p "$info"
-    printf 'Metadata-Version: 2.1\nName: lightning-datastates\nVersion: 0.1.0\n' >"$info/METADATA"
-    printf '[lightning.pytorch.callbacks_factory]\nlightning_datastates = lightning_datastates.callback:callbacks_factory\n' \
-        >"$info/entry_points.txt"
-    export PYTHONPATH="$PWD:$PWD/.ep${PYTHONPATH:+:$PYTHONPATH}"
-}
-
 step env env.txt 30 python3 -c "import torch, lightning; print('torch', torch.__version__, 'lightning', \
 lightning.__version__); assert torch.cuda.is_available(), 'CUDA is not visible'; print(torch.cuda.get_device_name(0))" \
     || exit 1
 if ! step install env.txt 30 python3 -m pip install -q --no-build-isolation --no-deps -e .; then
-    echo "pip install failed: registering the entry point through .ep/ on PYTHONPATH" | tee -a "$out/env.txt"
-    register_entry_point
+    # The plugin adds its callback itself: the checkout on PYTHONPATH is all the package needs.
+    echo "pip install failed: using the checkout through PYTHONPATH" | tee -a "$out/env.txt"
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 step callback env.txt 20 python3 -c "import lightning as L; from lightning_datastates import DataStatesCallback, \
 DataStatesIO; trainer = L.Trainer(plugins=[DataStatesIO()], accelerator='gpu', devices=1, logger=False); \

@@ -18,8 +18,8 @@ model="${MODEL:-368M-llm}"
 accelerator="${ACCELERATOR:-gpu}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-# Where gpu_check.sh could not install the package, it registered the callback's entry point in .ep/ instead.
-if [ -d .ep ]; then export PYTHONPATH="$PWD:$PWD/.ep${PYTHONPATH:+:$PYTHONPATH}"; fi
+# Where gpu_check.sh could not install the package, the checkout on PYTHONPATH serves.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 timeout 30 python3 scripts/bench_save_call.py 2>&1 | tee "$out/save_call.txt"
 timeout 200 python3 -m lightning_datastates.benchmark --model "$model" --accelerator "$accelerator" --steps 121 \
     --every 40 --rounds 1 --methods none,datastates,async --no-plot --out "$out/every40" 2>&1 | tee "$out/every40.txt"

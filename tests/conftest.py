@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import errno
 import os
 import subprocess
 import sys
@@ -21,6 +22,8 @@ from lightning_datastates.copy import copier as copier_module
 from lightning_datastates.plugin import pipeline_of
 from lightning_datastates.storage.local import TEMP_SUFFIX, LocalWriter, LocalWriteSession
 from lightning_datastates.write import loop as write_loop_module
+
+_O_TMPFILE = getattr(os, "O_TMPFILE", None)
 
 
 class BNModel(L.LightningModule):
@@ -192,6 +195,23 @@ class GatedWriter(LocalWriter):
                 super().write_range(offset, data)
 
         return _Session(session.path, session.temp_path, session._fd)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def refused_unnamed(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Make every ``O_TMPFILE`` open fail as on a file system without unnamed files (NFS); returns the directories
+    it was tried in, one entry per try. Other opens are untouched."""
+    tried: list[str] = []
+    real_open = os.open
+
+    def refusing_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if _O_TMPFILE is not None and flags & _O_TMPFILE == _O_TMPFILE:
+            tried.append(os.fspath(path))
+            raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP), path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    return tried
 
 
 @pytest.fixture

@@ -18,50 +18,43 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+from lightning_datastates.pipeline import CheckpointPipeline
 from lightning_datastates.plugin import pipeline_of
 from tests.conftest import BNModel, make_loader
-from tests.script_support import ReferenceRecordingIO, break_draining, slow_local_writes
+from tests.script_support import SaveCountingIO, break_draining, endless_fit_trainer, slow_local_writes, slowed_steps
 
 WRITE_DELAY_S = 0.03
 
 
-class CountingIO(ReferenceRecordingIO):
+class CountingIO(SaveCountingIO):
     """Prints ``saved <n>`` once each save returned, and how much was pending when a drain began."""
 
-    saves = 0
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        super().save_checkpoint(checkpoint, path, storage_options)
-        CountingIO.saves += 1
-        print(f"saved {CountingIO.saves}", flush=True)
-
-    def drain(self) -> None:
-        self._report_pending()
-        super().drain()
+    def _new_pipeline(self, config: Any) -> CheckpointPipeline:
+        return CountingPipeline(config)  # the callback drains through the pipeline
 
     def teardown(self) -> None:
-        self._report_pending()  # Lightning tears the strategy down (and this plugin) before on_fit_end
+        _report_pending(pipeline_of(self))  # Lightning tears the strategy down (and this plugin) before on_fit_end
         super().teardown()
 
-    def _report_pending(self) -> None:
-        engine = pipeline_of(self)._engine
-        pending = 0 if engine is None else len(engine._pending.active)
-        print(f"draining {pending} pending", flush=True)
+
+class CountingPipeline(CheckpointPipeline):
+    """Prints how much was pending when a drain began."""
+
+    def drain(self) -> None:
+        _report_pending(self)
+        super().drain()
 
 
-class SlowModel(BNModel):
-    """Steps take a little while, as real ones do: the run is still training when the signal comes."""
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        time.sleep(0.05)
-        return super().training_step(batch, batch_idx)
+def _report_pending(pipeline: CheckpointPipeline) -> None:
+    engine = pipeline._engine
+    pending = 0 if engine is None else len(engine._pending.active)
+    print(f"draining {pending} pending", flush=True)
 
 
 class Interrupter(Callback):
@@ -90,20 +83,8 @@ def main() -> None:
     torch.manual_seed(0)
     plugin = CountingIO(os.path.join(out, "ref"), chunk_size="16KiB", eager_copy_size="1KiB")
     checkpoint = ModelCheckpoint(dirpath=os.path.join(out, "ckpt"), every_n_train_steps=1, save_top_k=-1)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=4 if how == "normal" else 1000,
-        max_epochs=-1,
-        plugins=[plugin],
-        callbacks=[checkpoint, Interrupter(how)],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        default_root_dir=out,
-    )
-    trainer.fit(SlowModel(width=128), make_loader(n=64))
+    trainer = endless_fit_trainer(out, plugin, [checkpoint, Interrupter(how)], max_steps=4 if how == "normal" else 1000)
+    trainer.fit(slowed_steps(BNModel)(width=128), make_loader(n=64))
     print("fit returned", flush=True)
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+import lightning_datastates.callback as callback_module
 import lightning_datastates.pipeline as pipeline_module
 from lightning_datastates import DataStatesIO
 from lightning_datastates.compat.lightning import checkpoint_path_str
@@ -44,6 +45,30 @@ class ReferenceRecordingIO(DataStatesIO):
         os.replace(reference + ".tmp", reference)
 
 
+class SaveCountingIO(ReferenceRecordingIO):
+    """Prints ``saved <n>`` once each save returned (the test reads how many saves the run made)."""
+
+    saves = 0
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        super().save_checkpoint(checkpoint, path, storage_options)
+        SaveCountingIO.saves += 1
+        print(f"saved {SaveCountingIO.saves}", flush=True)
+
+
+def slowed_steps(model_class: type[Any], delay_s: float = 0.05) -> type[Any]:
+    """``model_class`` whose training steps take ``delay_s`` longer, as real ones do: the run is still training
+    when a signal comes."""
+    import time
+
+    class SlowModel(model_class):  # type: ignore[misc, valid-type]
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            time.sleep(delay_s)
+            return super().training_step(batch, batch_idx)
+
+    return SlowModel
+
+
 def slow_local_writes(delay_s: float) -> None:
     """Make every range the plugin writes (to local paths) wait ``delay_s``: flushes then outlast a few steps."""
     from tests.conftest import GatedWriter
@@ -56,10 +81,35 @@ def break_draining() -> None:
     """The broken variant: no drain, no teardown, no wait for a path, daemon threads (the tests must then fail)."""
     DataStatesIO.drain = lambda self: None  # type: ignore[method-assign]
     DataStatesIO.teardown = lambda self: None  # type: ignore[method-assign]
+    SnapshotEngine.drain = lambda self: None  # type: ignore[method-assign]  # the callback's and the pipeline's too
+    SnapshotEngine.close = lambda self: None  # type: ignore[method-assign]
     SnapshotEngine.wait_path = lambda self, path: None  # type: ignore[method-assign]
+    callback_module.drain_on_interrupt = lambda trainer, engine, exception: False  # type: ignore[attr-defined]
+    callback_module.drain_with_progress = lambda trainer, plugin: None  # type: ignore[attr-defined]
     daemon_threading = types.SimpleNamespace(**vars(threading))
     daemon_threading.Thread = lambda *a, **k: threading.Thread(*a, **{**k, "daemon": True})
     threads_module.threading = daemon_threading  # type: ignore[attr-defined]
+
+
+def endless_fit_trainer(out: str, plugin: Any, callbacks: list[Any], max_steps: int = 1000, **kwargs: Any) -> Any:
+    """The Trainer of a script's run: on the CPU, ``max_steps`` steps (by default until the script is stopped),
+    no logger, validation or model summary, ``default_root_dir=out``; ``kwargs`` override (``enable_progress_bar``)."""
+    import lightning as L
+
+    settings: dict[str, Any] = {
+        "accelerator": "cpu",
+        "max_steps": max_steps,
+        "max_epochs": -1,
+        "plugins": [plugin],
+        "callbacks": callbacks,
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+        "limit_val_batches": 0,
+        "default_root_dir": out,
+    }
+    return L.Trainer(**{**settings, **kwargs})
 
 
 def datastates_threads() -> list[str]:

@@ -1,4 +1,5 @@
-"""The companion callback: registered by entry point, idle without the plugin, harmless when passed twice."""
+"""The companion callback: added by the plugin to its Trainer only (tests/test_trainer_neighbours.py), idle without the
+plugin, harmless when passed twice."""
 
 from __future__ import annotations
 
@@ -27,16 +28,19 @@ def _ours(trainer) -> list[DataStatesCallback]:
     return [c for c in trainer.callbacks if isinstance(c, DataStatesCallback)]
 
 
-def test_entry_point_adds_the_callback_which_stays_idle_without_the_plugin(tmp_path):
-    trainer = make_trainer(str(tmp_path), TorchCheckpointIO(), callbacks=[every_step_checkpoint(str(tmp_path / "c"))])
+def test_a_callback_passed_without_the_plugin_stays_idle(tmp_path):
+    idle = DataStatesCallback()
+    trainer = make_trainer(
+        str(tmp_path), TorchCheckpointIO(), callbacks=[every_step_checkpoint(str(tmp_path / "c")), idle]
+    )
     callbacks = _ours(trainer)
-    assert len(callbacks) == 1
+    assert callbacks == [idle]
     trainer.fit(BNModel(width=32), make_loader(n=16))
-    assert callbacks[0]._plugin is None
+    assert callbacks[0]._pipeline is None
     assert "DataStatesCallback" not in str(torch.load(tmp_path / "c" / "last.ckpt", weights_only=True)["callbacks"])
 
 
-def test_explicit_callback_with_entry_point_one_drives_the_plugin(tmp_path, slow_copies):
+def test_of_two_callbacks_passed_explicitly_the_first_drives_the_plugin(tmp_path, slow_copies):
     torch.manual_seed(0)
     explicit = DataStatesCallback()
     plugin = RecordingDataStatesIO(chunk_size="64KiB", eager_copy_size="1KiB")
@@ -52,7 +56,7 @@ def test_explicit_callback_with_entry_point_one_drives_the_plugin(tmp_path, slow
         callbacks=[every_step_checkpoint(str(tmp_path / "c")), explicit, OwnerSpy()],
         max_epochs=1,
     )
-    assert len(_ours(trainer)) == 3  # explicit, spy, and the entry point's
+    assert len(_ours(trainer)) == 2  # explicit and spy: the plugin adds none where one is given
     trainer.fit(BNModel(), make_loader())
     assert seen_owners == [explicit]
     assert trainer.callbacks[0] is explicit  # moved first: its barriers precede other callbacks' hooks

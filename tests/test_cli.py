@@ -181,7 +181,9 @@ def test_inspect_reports_unreadable_files(tmp_path, capsys, lightning_checkpoint
 _DIE_MID_WRITE = """
 import os, signal, sys
 from lightning_datastates.storage import writer_for
+from lightning_datastates.storage import local
 url, options = sys.argv[1], {storage_options!r}
+local._UNNAMED_REFUSED.add(os.path.dirname(url))  # a named temporary file, as on NFS (an unnamed one leaves nothing)
 session = writer_for(url, options).begin(url, {total_bytes})
 session.write_range(0, memoryview(bytes({written_bytes})))
 os.kill(os.getpid(), signal.SIGKILL)  # the writer dies mid-write: its temporary file or upload stays behind
@@ -194,7 +196,7 @@ def _die_mid_write(url: str, total_bytes: int, written_bytes: int, storage_optio
     assert result.returncode == -signal.SIGKILL, result.stderr
 
 
-def test_clean_removes_the_temporary_file_of_a_killed_writer_only(tmp_path) -> None:
+def test_clean_removes_the_temporary_file_of_a_killed_writer_only(tmp_path, refused_unnamed) -> None:
     directory = tmp_path / "run"
     _die_mid_write(str(directory / "a.ckpt"), 4096, 1024)
     dead = temp_files(str(directory))

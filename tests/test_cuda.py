@@ -124,7 +124,7 @@ def test_trainer_on_gpu_every_file_equals_state_at_save(tmp_path):
         devices=1,
         deterministic=False,
     )
-    # The entry point adds the callback: without it every save would wait for its commit, and this test would pass
+    # The plugin adds the callback: without it every save would wait for its commit, and this test would pass
     # without anything lazy.
     assert any(isinstance(callback, DataStatesCallback) for callback in trainer.callbacks)
     trainer.fit(BNModel(width=2048), make_loader(n=256, batch_size=32))

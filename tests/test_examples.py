@@ -1,9 +1,11 @@
-"""Every example in examples/ runs to the end in its fast mode, in a subprocess, as a user would run it."""
+"""Every example in examples/ runs to the end in its fast mode, in a subprocess, as a user would run it; so does the
+LightningCLI command of README.md, as written there."""
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -16,14 +18,14 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
 
-def _run(*args: str, cwd: Path) -> str:
+def _run(*args: str, cwd: Path, **extra_env: str) -> str:
     # This checkout first on the path, as for the tests themselves (the package may also be installed elsewhere).
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **extra_env}
     result = subprocess.run(
         [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600, check=False
     )
     assert result.returncode == 0, f"{args} failed:\n{result.stdout}\n{result.stderr}"
-    return result.stdout
+    return result.stdout + result.stderr  # a rich progress bar sends prints to stderr
 
 
 @pytest.mark.slow
@@ -38,13 +40,31 @@ def test_train_gpt(tmp_path):
 
 @pytest.mark.slow
 def test_resume_after_crash(tmp_path):
-    out = _run(str(EXAMPLES / "resume_after_crash.py"), "--fast", "--dir", str(tmp_path), cwd=tmp_path)
+    # No --dir: the example works in a temporary directory of its own, under this TMPDIR, and must remove it.
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    out = _run(str(EXAMPLES / "resume_after_crash.py"), "--fast", cwd=tmp_path, TMPDIR=str(temp))
+    # Killed inside the commit of a checkpoint file (its fsync): every byte written, nothing durable or published.
+    killed = re.search(r"killing the first run at step (\d+) in the fsync that begins a checkpoint's commit\n", out)
+    assert killed, out
+    step = int(killed.group(1))
+    assert step == 6, killed.group(0)
     assert "first run: killed by signal 9" in out
-    # Killed at the end of step 7, with step 6's checkpoint in flight or just committed: last.ckpt is whole either way.
-    assert re.search(r"last\.ckpt is complete, at step [46]\n", out), out
+    # The checkpoint in flight was never published (what else is there depends on the writer: a temporary file),
+    # the one before is whole.
+    crash = re.search(r"after the crash: \[(.*)\]\n", out)
+    assert crash, out
+    names = [name.strip("'") for name in crash.group(1).split(", ")]
+    assert f"epoch=0-step={step}.ckpt" not in names and f"epoch=0-step={step - 2}.ckpt" in names, names
+    # The resume used the newest whole checkpoint (every earlier one was committed before the kill).
+    assert f"last.ckpt is complete, at step {step - 2};" in out
+    assert f"second run starts at step {step - 2}\n" in out
     assert "trained to step 12 (resumed)" in out
-    assert "after resuming: last.ckpt at step 12" in out
-    assert not [name for name in os.listdir(tmp_path) if not name.endswith(".ckpt")]  # the dead run's temp files
+    final = re.search(r"after resuming: last\.ckpt at step 12; files \[(.*)\]\n", out)
+    assert final, out
+    assert all(name.strip("'").endswith(".ckpt") for name in final.group(1).split(", ")), final.group(0)
+    # Its temporary directory is gone (torch may leave caches of its own there, e.g. torchinductor_<user>).
+    assert not [path.name for path in temp.iterdir() if path.name.startswith("datastates-resume-")]
 
 
 @pytest.mark.slow
@@ -54,21 +74,23 @@ def test_s3_checkpoints(tmp_path, s3):
     assert f"loaded {s3.url('run/epoch=0-step=8.ckpt')}: global_step=8" in out
 
 
+def _readme_cli_command() -> list[str]:
+    """The LightningCLI command of README.md, as a user copies it (``python examples/cli.py fit ...``)."""
+    readme = (ROOT / "README.md").read_text().splitlines()
+    lines = [line for line in readme if line.startswith("python examples/cli.py")]
+    assert len(lines) == 1, lines
+    return shlex.split(lines[0])
+
+
 @pytest.mark.slow
-def test_lightning_cli_with_a_config(tmp_path):
-    _run(
-        str(EXAMPLES / "cli.py"),
-        "fit",
-        "--config",
-        str(ROOT / "configs" / "local.yaml"),
-        "--trainer.max_steps=4",
-        "--trainer.accelerator=cpu",
-        "--trainer.logger=false",
-        "--trainer.enable_progress_bar=false",
-        f"--trainer.default_root_dir={tmp_path}",
-        "--trainer.plugins.init_args.host_cache=64MiB",
-        f"--trainer.callbacks.init_args.dirpath={tmp_path / 'ckpt'}",
-        "--trainer.callbacks.init_args.every_n_train_steps=2",
-        cwd=tmp_path,
-    )
-    assert sorted(os.listdir(tmp_path / "ckpt")) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
+def test_the_readme_lightning_cli_command_checkpoints(tmp_path):
+    # Run as in the README, but from another directory: the config's relative dirpath lands under the working
+    # directory, and the command says where.
+    python, script, *args = _readme_cli_command()
+    assert python == "python" and script == "examples/cli.py"
+    args = [str(ROOT / arg) if (ROOT / arg).is_file() else arg for arg in args]
+    out = _run(str(ROOT / script), *args, cwd=tmp_path)
+    directory = os.path.realpath(tmp_path / "checkpoints")
+    assert sorted(os.listdir(directory)) == ["epoch=1-step=100.ckpt", "epoch=3-step=200.ckpt"]
+    assert "lightning_datastates: 2 checkpoint(s)" in out, out
+    assert f"checkpoints in {directory}: epoch=1-step=100.ckpt, epoch=3-step=200.ckpt" in out, out

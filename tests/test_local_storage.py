@@ -37,7 +37,8 @@ def _temp_files(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.rglob("*") if p.name.endswith(TEMP_SUFFIX))
 
 
-def test_local_temp_file_lives_beside_the_final_name(ckpt_dir: Path) -> None:
+def test_local_temp_file_lives_beside_the_final_name(ckpt_dir: Path, refused_unnamed: list[str]) -> None:
+    # A named temporary file (a file system without O_TMPFILE); an unnamed one gets this name at the commit.
     path = ckpt_dir / "epoch=1.ckpt"
     session = LocalWriter().begin(str(path), 4)
     temp = Path(session.temp_path)

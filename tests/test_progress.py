@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, TQDMPr
 
 from lightning_datastates import DataStatesIO
 from lightning_datastates import progress as progress_module
+from lightning_datastates.pipeline import CheckpointPipeline
 from tests.conftest import BNModel, make_loader, make_trainer
 
 
@@ -21,7 +22,7 @@ def _fit(tmp_path, gated_writer, monkeypatch, **trainer_kwargs):
     """Fit with every write held until the drain bar opens (or, with no bar, until the drain starts)."""
     gated_writer.gate.clear()
     opened: list[int] = []
-    original_open_bar, original_drain = progress_module.open_bar, DataStatesIO.drain
+    original_open_bar, original_drain = progress_module.open_bar, CheckpointPipeline.drain
 
     @contextmanager
     def open_bar_then_release(bar_callback, total_bytes):
@@ -35,7 +36,7 @@ def _fit(tmp_path, gated_writer, monkeypatch, **trainer_kwargs):
         original_drain(self)
 
     monkeypatch.setattr(progress_module, "open_bar", open_bar_then_release)
-    monkeypatch.setattr(DataStatesIO, "drain", drain_then_release)
+    monkeypatch.setattr(CheckpointPipeline, "drain", drain_then_release)  # the callback drains through it
     plugin = DataStatesIO()
     checkpoints = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=4, save_top_k=-1)
     trainer = make_trainer(

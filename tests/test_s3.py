@@ -529,7 +529,9 @@ def test_server_stalled_mid_upload_fails_within_seconds_and_the_previous_checkpo
     server = moto_process.start()
     env = fresh_bucket(server.endpoint, reset=False)
     options = {**env.storage_options, "part_size_bytes": "5MiB", "max_concurrent_parts": 1, "retries": 1}
-    plugin = in_background(DataStatesIO(storage_options={**options, "timeout_s": 2}))
+    # min_bytes_per_s: each attempt of a 5 MiB part gets 2 s and 5 ms, not 2 s + 2.5 s at the default 2 MiB/s (a send
+    # the stopped server no longer reads is bounded by that allowance, not by timeout_s), as the bound below assumes.
+    plugin = in_background(DataStatesIO(storage_options={**options, "timeout_s": 2, "min_bytes_per_s": "1GiB"}))
     path = env.url("run/model.ckpt")
     earlier = {"state_dict": {"w": torch.randn(3 * MiB)}, "step": 1}  # 12 MiB: three parts
     plugin.save_checkpoint(earlier, path)

@@ -582,6 +582,21 @@ def test_dcp_plans_each_save_with_automatic_collection_paused(tmp_path, monkeypa
     assert gc.isenabled()
 
 
+def test_a_sharded_fit_leaves_no_thread_of_ours_running(tmp_path, monkeypatch):
+    """Once fit returns, the committer thread has ended with its last commit (it lived on, one per fit, before), as
+    the engine's threads have: Lightning's own tests fail on threads left behind."""
+    checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=1, save_top_k=-1)
+    _one_process_fit(tmp_path, monkeypatch, DataStatesIO(), checkpoint)
+    deadline = time.monotonic() + 10  # the committer ends right after its last commit, a moment after fit's drain
+    while _threads_of_ours() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _threads_of_ours() == []
+
+
+def _threads_of_ours() -> list[str]:
+    return [thread.name for thread in threading.enumerate() if thread.name.startswith("datastates-")]
+
+
 @pytest.mark.parametrize("failing", ["mark", "meta"])
 def test_a_save_rank_0_cannot_start_fails_on_every_rank_and_leaves_nothing(tmp_path, monkeypatch, failing):
     """Rank 0 sends its error instead of the go-ahead: it raises its own, every other rank a capture error naming

@@ -126,16 +126,44 @@ def saves_distributed_checkpoint(strategy: Any) -> bool:
     return bool(getattr(strategy, "_save_distributed_checkpoint", True))
 
 
+class KeyedPath(str):
+    """A local checkpoint path as the plugin keys it (absolute, normalized: see :func:`checkpoint_path_str`) that
+    remembers how the caller spelled it, in :attr:`as_given`, for messages: Lightning's ``TorchCheckpointIO`` names
+    the path it was given (``Checkpoint file not found: not existing``), and so must the plugin.
+
+    Any string operation on it returns a plain ``str``: only the object :func:`checkpoint_path_str` returned, handed
+    on as it is, carries the spelling (the pipeline hands it to the reader).
+    """
+
+    as_given: str
+
+    def __new__(cls, keyed: str, as_given: str) -> KeyedPath:
+        """``keyed`` is the string's value; ``as_given`` the caller's spelling."""
+        self = super().__new__(cls, keyed)
+        self.as_given = as_given
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled (a path sent to other ranks) with its spelling."""
+        return (KeyedPath, (str(self), self.as_given))
+
+
+def path_as_given(path: str) -> str:
+    """How the caller spelled ``path`` (a :class:`KeyedPath`), else ``path`` itself."""
+    return path.as_given if isinstance(path, KeyedPath) else path
+
+
 def checkpoint_path_str(path: CheckpointPath) -> str:
     """``path`` as the plugin keys it: a URL as a string (one that ``pathlib`` collapsed, ``s3:/b/k``, restored); a
     local path absolute and normalized, so that every spelling of one file (``ck/a.ckpt``, ``./ck//a.ckpt``, its
     absolute path) names the same pending save, and a write in the background lands where the save call meant even if
     the working directory changes meanwhile. Symbolic links are kept, not resolved: a save replaces the link itself,
-    as a rename onto it does."""
+    as a rename onto it does. A local path comes as a :class:`KeyedPath`, which remembers the caller's spelling for
+    messages (:func:`path_as_given`)."""
     text = os.fspath(path)
     # pathlib collapses "s3://bucket/key" into "s3:/bucket/key" (FSDP and ModelParallel pass Paths): restore it.
     text = _COLLAPSED_URL.sub(r"\1://", text) if not isinstance(path, str) else text
-    return text if "://" in text else os.path.abspath(text)
+    return text if "://" in text else KeyedPath(os.path.abspath(text), path_as_given(text))
 
 
 _COLLAPSED_URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]+):/(?!/)")

@@ -37,7 +37,7 @@ from lightning_datastates.copy.sharing import SharedCopies
 from lightning_datastates.records.block import Block
 from lightning_datastates.records.chunks import Chunk
 from lightning_datastates.records.job import SnapshotJob
-from lightning_datastates.records.tasks import POLL_S, WriteChunk, WriteMetadata, WriteQueue, WriteThroughChunk
+from lightning_datastates.records.tasks import POLL_S, WAKE, WriteChunk, WriteMetadata, WriteQueue, WriteThroughChunk
 from lightning_datastates.records.through import WriteThrough
 
 #: At most this many chunks are in flight at once (the one just started included): with 64 MiB chunks, about 5 ms of
@@ -85,7 +85,7 @@ class CopyLoop:
         self._write_queue = write_queue
         self._wake = wake
         self._retire_if_idle = retire_if_idle
-        self._captured: queue.Queue[SnapshotJob] = queue.Queue()  # in capture order
+        self._captured: queue.Queue[SnapshotJob | None] = queue.Queue()  # in capture order (and WAKE)
         self._eager_done: deque[SnapshotJob] = deque()  # eager part copied, lazy part waiting
         self._started: deque[_StartedChunk] = deque()  # chunks in flight, oldest first
 
@@ -93,6 +93,10 @@ class CopyLoop:
     def submit(self, job: SnapshotJob) -> None:
         """Hand a captured ``job`` to the copier (the copier queues its metadata write: nothing half-queued)."""
         self._captured.put(job)
+
+    def wake_to_end(self) -> None:
+        """Training thread, at the engine's close: wake the copier if it waits for captures, so that it ends now."""
+        self._captured.put(WAKE)
 
     def wake(self) -> None:
         """Wake the copier if it waits for write-through chunks: it copies the eager part of new captures then."""
@@ -108,11 +112,14 @@ class CopyLoop:
                 job = self._eager_done.popleft()
             else:
                 try:
-                    job = self._captured.get(timeout=POLL_S)
+                    woken = self._captured.get(timeout=POLL_S)
                 except queue.Empty:
+                    woken = WAKE
+                if woken is WAKE:  # idle for POLL_S, or woken by the engine's close: end now if that is due
                     if self._retire_if_idle(self._captured, idle_since):
                         return
                     continue
+                job = woken
             self._copy_job(job)
             idle_since = time.monotonic()
 
@@ -188,6 +195,8 @@ class CopyLoop:
                 job = self._captured.get_nowait()
             except queue.Empty:
                 return
+            if job is WAKE:  # left by a close this thread did not wait for: not a capture
+                continue
             if not self._copy_eager(job):
                 continue
             if job.lazy_chunks:

@@ -29,6 +29,7 @@ from typing import IO, Any, BinaryIO, cast
 
 import torch
 
+from lightning_datastates.compat.lightning import path_as_given
 from lightning_datastates.load.integrity import IntegrityReport, verify_buffer, verify_open_file
 from lightning_datastates.storage.base import StorageWriter
 from lightning_datastates.streams import BufferReader
@@ -106,12 +107,21 @@ def _open_local(writer: StorageWriter, path: str, read_ahead: bool) -> BinaryIO 
     try:
         return writer.open_local(path, read_ahead=read_ahead)
     except FileNotFoundError as exc:
-        raise FileNotFoundError(f"Checkpoint file not found: {path}") from exc
+        raise missing_checkpoint(path) from exc
 
 
 def _require(writer: StorageWriter, path: str) -> None:
     if not writer.exists(path):
-        raise FileNotFoundError(f"Checkpoint file not found: {path}")
+        raise missing_checkpoint(path)
+
+
+def missing_checkpoint(path: str) -> FileNotFoundError:
+    """The error for no checkpoint at ``path``, worded as Lightning's ``TorchCheckpointIO`` words it: naming the path
+    as the caller gave it (``Checkpoint file not found: not existing``), then the absolute path looked at, where the
+    two differ (a relative path: the working directory it was resolved against)."""
+    given = path_as_given(path)
+    where = "" if given == path else f" (looked for {path})"
+    return FileNotFoundError(f"Checkpoint file not found: {given}{where}")
 
 
 def _note_unchecked(report: IntegrityReport) -> None:

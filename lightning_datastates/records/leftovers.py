@@ -1,7 +1,10 @@
 """What a writer that died leaves behind, and when it may be removed: one rule for every backend.
 
-A write in progress leaves a hidden object beside its target: a temporary file (local disks, other fsspec file
-systems) or, on S3, a marker object naming an open multipart upload. Each is named
+A write in progress leaves a hidden object beside its target: a temporary file (other fsspec file systems; local
+disks where the file system takes no unnamed files, see :mod:`~lightning_datastates.storage.local`, and for the
+moment between the link and the rename of a local commit) or, on S3, a marker object naming an open multipart upload.
+Local writes elsewhere leave nothing (a crash frees their unnamed file), but named ones of older versions of this
+package are still cleaned. Each is named
 ``.<name>.<host>.<pid>.<token><suffix>`` (:func:`leftover_name`), so that ``clean_stale`` can tell from the name alone
 which process left it (:func:`parse_leftover_name`), and never matches ``*.ckpt``.
 

@@ -56,5 +56,8 @@ class Commit:
 
 #: Any task of the writers' queue.
 WriteTask = WriteMetadata | WriteChunk | WriteThroughChunk | Commit
-#: The queue the writer threads take tasks from.
-WriteQueue = queue.Queue[WriteTask]
+#: Put in an engine thread's queue to wake it when the engine closes: not a task; the thread looks whether to end at
+#: once instead of at its next :data:`POLL_S` timeout.
+WAKE = None
+#: The queue the writer threads take tasks from (and :data:`WAKE`).
+WriteQueue = queue.Queue[WriteTask | None]

@@ -125,16 +125,23 @@ class ShardedCommitter:
         commit = PendingCommit(save.path)
         self._pending.register_commit(commit)
         with self._lock:
-            if self._thread is None or not self._thread.is_alive():
+            self._queue.put((save, commit))
+            if self._thread is None:
                 # A daemon: the exchange may wait for a rank that died; the callback drains before fit returns.
                 self._thread = threading.Thread(target=self._run, name="datastates-sharded-commit", daemon=True)
                 self._thread.start()
-        self._queue.put((save, commit))
 
     # ------------------------------------------------------------------ committer thread
     def _run(self) -> None:
         while True:
-            save, commit = self._queue.get()
+            with self._lock:
+                # The thread ends once its queue is empty (it lived on after every fit before, one per fit); the lock
+                # makes "empty, so end" and submit's "no thread, so start one" exclusive: no commit is left unserved,
+                # and commits stay in order (a new thread starts only after this one took its last).
+                if self._queue.empty():
+                    self._thread = None
+                    return
+                save, commit = self._queue.get_nowait()
             try:
                 self._commit(save, commit)
             except BaseException as exc:  # noqa: BLE001 - that save's failure, reported once on this rank

@@ -20,7 +20,8 @@ The steps of a checkpoint, and where each lives:
 
 Threads (:mod:`~lightning_datastates.snapshot.threads`) are ordinary (non-daemon) threads: at interpreter exit they
 finish every pending checkpoint and then end by themselves, so a script that returns right after ``fit`` still leaves
-complete files.
+complete files. :meth:`SnapshotEngine.abandon` (a second Ctrl-C while the writes drain) cancels every pending
+checkpoint instead: the threads abort them after the storage call each is in, and end as after a drain.
 
 No Lightning and no file formats here: the layout comes from :mod:`~lightning_datastates.capture.layout`, the bytes
 go to a :class:`~lightning_datastates.storage.base.StorageWriter`.
@@ -59,9 +60,9 @@ from lightning_datastates.copy.sharing import SharedCopies, SharingCounters
 from lightning_datastates.load.resident import ResidentCache
 from lightning_datastates.records.checksums import checksummed
 from lightning_datastates.records.chunks import plan_chunks
-from lightning_datastates.records.job import SnapshotJob, SnapshotStats
+from lightning_datastates.records.job import JobState, SnapshotJob, SnapshotStats
 from lightning_datastates.records.layout import CheckpointLayout
-from lightning_datastates.records.tasks import WriteQueue
+from lightning_datastates.records.tasks import WAKE, WriteQueue
 from lightning_datastates.snapshot.backpressure import BackPressureWarning, describe_back_pressure
 from lightning_datastates.snapshot.pending import PendingCheckpoints, PendingCommit
 from lightning_datastates.snapshot.threads import EngineThreads
@@ -75,6 +76,10 @@ _HISTORY_LENGTH = 1000
 #: Back-pressure shorter than this is not worth a warning (it still counts in ``blocked_s``).
 _BACK_PRESSURE_REPORTED_S = 0.01
 
+#: :meth:`SnapshotEngine.abandon` waits at most this long for the storage calls in progress (a range being written, a
+#: session being aborted) before it returns; a call that takes longer (an unreachable store) ends by itself.
+ABANDON_WAIT_S = 10.0
+
 #: Which storages the caller lets the engine copy lazily (after the save call returned, before the next barrier).
 LazyPredicate = Callable[[torch.UntypedStorage], bool]
 
@@ -87,6 +92,17 @@ class _DataPath:
     resident: ResidentCache | None
     copier: CopyLoop
     writers: WriteLoop
+
+
+@dataclass(frozen=True)
+class Abandoned:
+    """What :meth:`SnapshotEngine.abandon` gave up: the ``paths`` of the pending saves (files and sharded
+    directories, oldest first; not the files whose commit had begun, which landed whole), and those of the files still
+    in a storage call when it returned (``unfinished``: their temporary file or upload goes once that call returns,
+    or, if the process ends first, with ``clean`` or the next run's cleanup, which remove what dead writers left)."""
+
+    paths: list[str]
+    unfinished: list[str]
 
 
 class SnapshotEngine:
@@ -356,10 +372,43 @@ class SnapshotEngine:
         """Failed saves not yet reported, oldest first (they stay unreported)."""
         return self._pending.unreported_failures()
 
+    def abandon(self, wait_s: float = ABANDON_WAIT_S) -> Abandoned:
+        """Training thread: give up every pending checkpoint now (the user asked to, with a second Ctrl-C while they
+        drained) and wait, at most ``wait_s``, until the engine's threads aborted them.
+
+        Checkpoints committed earlier stay whole. Each pending file is cancelled
+        (:meth:`PendingCheckpoints.abandon <lightning_datastates.snapshot.pending.PendingCheckpoints.abandon>`, which
+        also drops the removals held back for them): the copier copies nothing more of it, writers skip its tasks and
+        stop between the pieces of a chunk, and the writer that takes its commit aborts the session (temporary file
+        removed, S3 upload aborted). A file whose commit already began lands whole; a sharded directory whose shard
+        file is cancelled is not published. Afterwards :meth:`close` (or interpreter exit) ends the threads without a
+        long wait.
+        """
+        entries = self._pending.abandon()
+        jobs = [entry for entry in entries if isinstance(entry, SnapshotJob)]
+        for job in jobs:
+            if job.write_through is not None:
+                job.write_through.close()  # the copier stops waiting for writers to take these chunks
+        with self._copier_wake:
+            self._copier_wake.notify_all()  # a copier waiting for writers sees the jobs stopped now
+        deadline = time.monotonic() + wait_s
+        unfinished = [job.path for job in jobs if not job.finished.wait(max(0.0, deadline - time.monotonic()))]
+        landed = {id(job) for job in jobs if job.state is JobState.COMMITTED}  # their commit had begun: whole
+        return Abandoned([entry.path for entry in entries if id(entry) not in landed], unfinished)
+
     def close(self) -> None:
         """Drain, then stop the threads. The engine starts them again if it is used later."""
         self.drain()
-        self._threads.stop()
+        self._threads.stop(self._wake_threads)
+
+    def _wake_threads(self) -> None:
+        """Training thread, at :meth:`close`: one wake-up per writer thread and one for the copier (see
+        :mod:`~lightning_datastates.snapshot.threads`)."""
+        if self._data_path is None:
+            return
+        for _ in range(self.config.writer_threads):
+            self._write_queue.put(WAKE)
+        self._data_path.copier.wake_to_end()
 
     # ------------------------------------------------------------------ arena and resident cache
     def open_resident(self, path: str) -> io.RawIOBase | None:

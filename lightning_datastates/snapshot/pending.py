@@ -16,6 +16,9 @@ Call order:
      ``pop_failure``, ...) on the training thread, any time;
   4) :meth:`PendingCheckpoints.finish` once per entry, after its commit or abort: on a writer thread (a job) or the
      committer thread (a commit). It carries out the removals the entry was the last to hold back, on that thread.
+  5) :meth:`PendingCheckpoints.abandon` on the training thread, only when the user gives up on the writes in flight
+     (a second Ctrl-C while they drain, :mod:`~lightning_datastates.progress`): every pending file is cancelled and
+     every removal held back is dropped; the entries still finish through 4) as their threads abort them.
 
 A save of a file that is still pending supersedes the pending one: that one is cancelled, and the new one commits
 only after it finished, so saves of one path land in order. Commits of one directory are published in order by their
@@ -84,6 +87,10 @@ class PendingCheckpoints:
         # Removals right after a save that was skipped (or a sharded save not committed) keep their file, until the
         # next capture.
         self._skipped_since_last_capture = False
+        # Entries given up by abandon() and not yet finished; removals asked for after it keep their file until the
+        # next capture (the checkpoint that was to replace them may be one of those given up).
+        self._abandoned: dict[int, SnapshotJob | PendingCommit] = {}  # by id(): entries compare by identity here
+        self._abandoned_since_last_capture = False
 
     # ------------------------------------------------------------------ training thread
     def before_save(self, path: str) -> None:
@@ -108,6 +115,7 @@ class PendingCheckpoints:
         """Register ``job`` (call with :attr:`lock` held); a pending save of the same path is superseded by it."""
         self._deferred_removals.pop(job.path, None)  # saved again: the new file replaces the old one anyway
         self._skipped_since_last_capture = False
+        self._abandoned_since_last_capture = False
         predecessor = self._latest_by_path.get(job.path)
         if isinstance(predecessor, SnapshotJob) and not predecessor.finished.is_set():
             # A newer save of the same path supersedes the pending one; it commits only after that one ended.
@@ -181,6 +189,12 @@ class PendingCheckpoints:
                     path,
                 )
                 return
+            if self._abandoned_since_last_capture:  # the checkpoint that was to replace it may have been given up
+                log.warning(
+                    "lightning_datastates: keeping %s, which was to be removed: the writes in flight were abandoned",
+                    path,
+                )
+                return
             waiting = [job for job in self.active if not job.settled]
             if waiting:
                 self._deferred_removals[path] = (waiting, remove)
@@ -194,14 +208,48 @@ class PendingCheckpoints:
             return path in self._deferred_removals or path in self._running_removals
 
     def drain(self) -> None:
-        """Wait until every pending checkpoint is committed or dropped."""
+        """Wait until every pending checkpoint is committed or dropped; after :meth:`abandon`, sharded commits it gave
+        up on are not waited for (their exchange may wait for ranks that are gone; what they leave is a dead writer's,
+        for ``clean`` and the next run's cleanup)."""
         while True:
-            with self.lock:
-                active = list(self.active)
+            active = self.outstanding()
             if not active:
                 return
             for job in active:
                 job.finished.wait()
+
+    def outstanding(self) -> list[SnapshotJob | PendingCommit]:
+        """What :meth:`drain` waits for now, oldest first: every registered entry but the sharded commits given up by
+        :meth:`abandon`."""
+        with self.lock:
+            return [e for e in self.active if not (isinstance(e, PendingCommit) and id(e) in self._abandoned)]
+
+    def abandon(self) -> list[SnapshotJob | PendingCommit]:
+        """Training thread: give up every pending save now; return them, oldest first.
+
+        Every pending file is cancelled: its writer threads skip what is left of it and abort its session (the
+        temporary file removed, an S3 multipart upload aborted), unless its commit already began (then it lands
+        whole). A sharded commit is left to its committer: its own shard file cancelled, it is not published. Every
+        removal held back behind pending saves is dropped, and removals asked for until the next capture keep their
+        file: an older good checkpoint is never removed because a newer one was given up. The entries still end
+        through :meth:`finish`: a cancelled file is no failure; one that failed before is still reported.
+        """
+        with self.lock:
+            entries = list(self.active)
+            for entry in entries:
+                if isinstance(entry, SnapshotJob):
+                    entry.cancel_requested = True
+            self._abandoned.update((id(entry), entry) for entry in entries)
+            self._abandoned_since_last_capture = True
+            kept = sorted(self._deferred_removals)
+            self._deferred_removals.clear()
+        if kept:
+            log.warning(
+                "lightning_datastates: keeping %s, which %s to be removed once the abandoned writes landed",
+                ", ".join(kept),
+                "was" if len(kept) == 1 else "were",
+            )
+        return entries
 
     def pop_failure(self, path: str | None = None) -> SnapshotJob | PendingCommit | None:
         """The oldest failed, not yet reported save (of ``path`` if given); it counts as reported now (raise
@@ -259,6 +307,7 @@ class PendingCheckpoints:
             # Settled and failed in one hold of the lock: a removal asked for in between would find the job neither
             # waited for nor failed, and delete what may be the last good checkpoint.
             job.settled = True
+            self._abandoned.pop(id(job), None)
             if job.error is not None:
                 self._failures.append(job)
             if isinstance(job, PendingCommit) and job.state in _NOT_COMMITTED:

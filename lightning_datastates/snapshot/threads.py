@@ -5,7 +5,9 @@ Call order:
      held (:mod:`~lightning_datastates.snapshot.pending`): starts the threads that are not running;
   2) :meth:`EngineThreads.retire_if_idle` on each engine thread whenever its queue stayed empty for
      :data:`~lightning_datastates.records.tasks.POLL_S`: whether to end now;
-  3) :meth:`EngineThreads.stop` on the training thread (the engine's close, after a drain): ends and joins them all.
+  3) :meth:`EngineThreads.stop` on the training thread (the engine's close, after a drain): wakes them (a
+     :data:`~lightning_datastates.records.tasks.WAKE` in each queue) and joins them all: a save outside the training
+     loop closes the engine before it returns, so this takes about a thread switch, not a poll interval.
 
 Threads are ordinary (non-daemon) threads: at interpreter exit they finish every pending checkpoint and then end by
 themselves, so a script that returns right after ``fit`` still leaves complete files.
@@ -71,7 +73,7 @@ class EngineThreads:
         idle for :data:`IDLE_EXIT_S`. Decided and deregistered under the lock, so a capture that starts now sees the
         thread gone and starts a new one."""
         with self._lock:
-            if self._busy() or not own_queue.empty():
+            if self._busy() or _holds_work(own_queue):
                 return False
             idle_too_long = time.monotonic() - idle_since > IDLE_EXIT_S
             if not (self._closing or idle_too_long or not threading.main_thread().is_alive()):
@@ -81,16 +83,25 @@ class EngineThreads:
                 self._threads.remove(current)
             return True
 
-    def stop(self) -> None:
-        """Training thread, once nothing is pending: end every thread and wait for it. Later captures start them
-        again."""
+    def stop(self, wake: Callable[[], None] | None = None) -> None:
+        """Training thread, once nothing is pending: end every thread and wait for it; ``wake`` puts a
+        :data:`~lightning_datastates.records.tasks.WAKE` in each thread's queue, so that none waits out its poll
+        interval. Later captures start them again."""
         with self._lock:
             self._closing = True
             threads, self._threads = self._threads, []
+        if wake is not None and threads:
+            wake()
         for thread in threads:
             thread.join()
         with self._lock:
             self._closing = False
+
+
+def _holds_work(own_queue: queue.Queue[Any]) -> bool:
+    """Whether ``own_queue`` holds anything but wake-ups (read under the queue's own lock)."""
+    with own_queue.mutex:
+        return any(item is not None for item in own_queue.queue)
 
 
 def _run_lowered(target: Callable[[], None]) -> None:

@@ -63,11 +63,12 @@ def writer_for(path: str, storage_options: dict[str, Any] | None = None, direct_
 
 
 def fsspec_storage_options(path: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
-    """The options to open ``path``'s file system with fsspec (for a reader of our files, such as DCP's): the
-    plugin's ``storage_options`` without the S3 writer's own settings
-    (:data:`~lightning_datastates.storage.s3.TUNABLES`), which s3fs would pass on to botocore and fail on."""
+    """The options to open ``path``'s file system with fsspec (for a reader of our files, such as DCP's, and for
+    ``ModelCheckpoint``): the plugin's ``storage_options``; for S3 without the writer's own settings
+    (:data:`~lightning_datastates.storage.s3.TUNABLES`), which s3fs would pass on to botocore and fail on, and with
+    botocore's timeouts at its ``timeout_s`` (see :func:`~lightning_datastates.storage.s3.client.shared_options`)."""
     if writer_kind(path) in ("s3", "s3a"):
-        from lightning_datastates.storage.s3.client import split_tunables  # imports no s3fs
+        from lightning_datastates.storage.s3.client import shared_filesystem_options  # imports no s3fs
 
-        return split_tunables(storage_options)[0]
+        return shared_filesystem_options(storage_options)
     return dict(storage_options or {})

@@ -89,7 +89,9 @@ def _file_system_type(path: str, mountinfo_path: str = "/proc/self/mountinfo") -
 
 
 def open_direct(temp_path: str, directory: str, warn: bool) -> int | None:
-    """A second, ``O_DIRECT`` descriptor of the new temporary file; None if refused (warned once with ``warn``)."""
+    """A second, ``O_DIRECT`` descriptor of the new temporary file at ``temp_path`` (its name, or for an unnamed file
+    its descriptor's ``/proc/self/fd/N``, which opens the same inode again); None if refused (warned once with
+    ``warn``)."""
     flag = getattr(os, "O_DIRECT", None)
     if flag is None:
         no_direct_io(directory, OSError(errno.EOPNOTSUPP, "O_DIRECT does not exist on this platform"), warn)

@@ -5,13 +5,23 @@ and, on Lustre, the file inherits the directory's striping), ``fsync`` it, ``os.
 name, ``fsync`` the directory so the rename itself survives a power loss. Ranges are written with
 ``os.pwrite`` from several threads at once.
 
-Direct I/O (``LocalWriter(direct_io="auto" or True)``, as ``DataStatesIO(direct_io=...)`` sets it): whole aligned
-blocks of every range go through a second, ``O_DIRECT`` descriptor of the temporary file; see
-:mod:`~lightning_datastates.storage.direct_io`. The commit is the same either way.
+The temporary file has no name while it is written, where the file system allows (Linux ``O_TMPFILE``: ext4, XFS,
+btrfs, tmpfs, Lustre >= 2.10, ...): a listing of the directory shows committed checkpoints only, as after a
+synchronous ``torch.save``, and a crash leaves nothing (an unnamed inode is freed). ``complete`` gives it its
+temporary name (``linkat`` through ``/proc/self/fd``, after the file's ``fsync``) just before the rename, so that a
+re-save of ``last.ckpt`` still replaces the old file atomically. Where ``O_TMPFILE`` is refused (NFS, FUSE, older
+kernels, no ``/proc``; decided once per directory, quietly) the temporary file is created under its name at
+``begin``, as before.
 
-Temporary files are named ``.<name>.<host>.<pid>.<token>.datastates-tmp``: hidden, never matching
-``*.ckpt``, and telling :meth:`LocalWriter.clean_stale` which process left them (see
-:mod:`~lightning_datastates.records.leftovers`).
+Direct I/O (``LocalWriter(direct_io="auto" or True)``, as ``DataStatesIO(direct_io=...)`` sets it): whole aligned
+blocks of every range go through a second, ``O_DIRECT`` descriptor of the temporary file (of an unnamed one,
+opened again through ``/proc/self/fd``); see :mod:`~lightning_datastates.storage.direct_io`. The commit is the same
+either way.
+
+Temporary names are ``.<name>.<host>.<pid>.<token>.datastates-tmp``: hidden, never matching ``*.ckpt``, and telling
+:meth:`LocalWriter.clean_stale` which process left them (see :mod:`~lightning_datastates.records.leftovers`). A
+named temporary file is left only by a crash of a write that fell back to a name, between the link and the rename of
+a commit, or by an older version of this package.
 
 Loads map the committed file itself (:meth:`LocalWriter.open_local`).
 """
@@ -20,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import shutil
 import threading
@@ -39,8 +50,15 @@ from lightning_datastates.records.session import WriteSession
 from lightning_datastates.storage.base import DirectoryEntry, StorageWriter
 from lightning_datastates.storage.direct_io import direct_io_suits, no_direct_io, open_direct, write_all, write_direct
 
+log = logging.getLogger("lightning_datastates")
+
 #: Longest file name most POSIX file systems accept.
 _MAX_NAME_BYTES = 255
+#: errno values of an ``O_TMPFILE`` open that mean "no unnamed files here" (file system, kernel before 3.11 which
+#: reads the flag as opening the directory itself, sandbox): write a named temporary file instead.
+_UNNAMED_REFUSALS = frozenset({errno.EOPNOTSUPP, errno.ENOTSUP, errno.EISDIR, errno.EINVAL, errno.ENOSYS, errno.EPERM})
+#: Directories whose file system refused an unnamed file (or its link at a commit): named temporary files there.
+_UNNAMED_REFUSED: set[str] = set()
 
 
 def is_local_path(path: str) -> bool:
@@ -129,16 +147,28 @@ class PositionalFileSession(WriteSession):
 
 
 class LocalWriteSession(PositionalFileSession):
-    """A checkpoint being written to a temporary file beside its final name."""
+    """A checkpoint being written to a temporary file beside its final name.
+
+    ``temp_path`` is the temporary file's name: where it is (a named file), or, for an unnamed file (``O_TMPFILE``,
+    told by its link count of zero), the name :meth:`complete` links it under just before the rename.
+    """
 
     def __init__(
         self, path: str, temp_path: str, fd: int, direct_fd: int | None = None, warn_refused: bool = True
     ) -> None:
         super().__init__(path, fd, direct_fd, warn_refused)
         self.temp_path = temp_path
+        # One fstat per session: the descriptor itself says whether it still needs a name (no flag to pass along).
+        self.unnamed = os.fstat(fd).st_nlink == 0
 
     def complete(self) -> None:
-        """fsync the file, rename it onto the final name, fsync the directory."""
+        """fsync the file, give an unnamed file its temporary name, rename it onto the final name, fsync the
+        directory.
+
+        Raises:
+            OSError: the fsync (a full disk says so and names the path), the link or the rename failed; nothing is
+                published then (:meth:`abort` removes what is left).
+        """
         with self._lock:
             fd = self._take_fd()
             if fd is None:
@@ -148,11 +178,14 @@ class LocalWriteSession(PositionalFileSession):
                 # full disk is reported only here.
                 with out_of_space_named(self.path):
                     os.fsync(fd)
+                if self.unnamed:
+                    _link_unnamed(fd, self.temp_path, self.path)  # needs the descriptor open: before the close
+                    self.unnamed = False  # named now: an abort after a failed rename removes the name
             finally:
                 os.close(fd)
             os.replace(self.temp_path, self.path)  # atomic: readers see the old file or the new one, whole
             try:
-                _fsync_directory(os.path.dirname(self.path) or ".")  # make the rename itself durable
+                _fsync_directory(os.path.dirname(self.path) or ".")  # make the link and the rename durable
             except OSError as exc:
                 raise OSError(
                     exc.errno,
@@ -161,11 +194,14 @@ class LocalWriteSession(PositionalFileSession):
                 ) from exc
 
     def abort(self) -> None:
-        """Close and delete the temporary file; the final name is untouched."""
+        """Close the temporary file (an unnamed one vanishes with its descriptor) and delete its name, if it has one
+        (a named file, or an unnamed one whose commit failed after the link); the final name is untouched."""
         with self._lock:
             fd = self._take_fd()
             if fd is not None:
                 os.close(fd)
+            if self.unnamed:
+                return  # never linked: nothing has its name
             try:
                 os.unlink(self.temp_path)
             except FileNotFoundError:
@@ -188,7 +224,8 @@ class LocalWriter(StorageWriter):
         self.direct_io = direct_io
 
     def begin(self, path: str, total_bytes: int) -> LocalWriteSession:
-        """Create the directory if needed and open a fresh temporary file beside ``path``."""
+        """Create the directory if needed and open a fresh temporary file beside ``path``: unnamed where the file
+        system allows (see the module docstring), else under its temporary name."""
         path = local_path(path)
         if os.path.isdir(path):
             raise IsADirectoryError(
@@ -200,15 +237,21 @@ class LocalWriter(StorageWriter):
         temp_path = os.path.join(directory, leftover_name(os.path.basename(path), TEMP_SUFFIX, _MAX_NAME_BYTES))
         with _unwritable_directory_named(directory):
             os.makedirs(directory, exist_ok=True)
-            fd = os.open(temp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            fd = open_unnamed(directory)
+            named = fd is None
+            if fd is None:
+                fd = os.open(temp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         warn = self.direct_io is True
         try:
             wanted = warn or (self.direct_io == "auto" and direct_io_suits(directory))
-            direct_fd = open_direct(temp_path, directory, warn) if wanted else None
+            # An unnamed file is opened again through its descriptor's /proc link (open_unnamed checked it exists).
+            reopen = temp_path if named else f"/proc/self/fd/{fd}"
+            direct_fd = open_direct(reopen, directory, warn) if wanted else None
         except BaseException:  # EMFILE, ENOMEM, ...: leave neither a descriptor nor the temporary file behind
             os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(temp_path)
+            if named:
+                with contextlib.suppress(OSError):
+                    os.unlink(temp_path)
             raise
         return LocalWriteSession(path, temp_path, fd, direct_fd, warn)
 
@@ -289,7 +332,8 @@ class LocalWriter(StorageWriter):
             return []
 
     def clean_stale(self, directory: str, max_age_s: float = DEFAULT_STALE_AGE_S) -> list[str]:
-        """Remove temporary files of dead processes on this host, and of other hosts once ``max_age_s`` old."""
+        """Remove named temporary files of dead processes on this host, and of other hosts once ``max_age_s`` old
+        (unnamed ones need no cleaning: a crash frees them)."""
         directory = local_path(directory)
         try:
             names = os.listdir(directory)
@@ -356,6 +400,66 @@ def out_of_space_named(path: str) -> Iterator[None]:
             exc.errno,
             f"{exc.strerror} while writing {path}: free space on its file system, raise the quota or the file-size "
             "limit (ulimit -f), or write checkpoints elsewhere",
+        ) from exc
+
+
+def open_unnamed(directory: str) -> int | None:
+    """A new file without a name in ``directory``'s file system (``O_TMPFILE``), open for writing with mode
+    ``0o666`` less the umask; None where unnamed files cannot be written there and later linked (no ``O_TMPFILE``,
+    refused by the file system or the kernel, no ``/proc/self/fd`` to link through), decided once per directory.
+
+    Raises:
+        OSError: an error a named file would meet as well (permissions, read-only or full file system).
+    """
+    flag = getattr(os, "O_TMPFILE", None)
+    if flag is None or directory in _UNNAMED_REFUSED:
+        return None
+    try:
+        fd = os.open(directory, flag | os.O_WRONLY | os.O_CLOEXEC, 0o666)
+    except OSError as exc:
+        if exc.errno not in _UNNAMED_REFUSALS:
+            raise
+        _refuse_unnamed(directory, exc)
+        return None
+    if not os.path.exists(f"/proc/self/fd/{fd}"):  # /proc not mounted: the file could never be linked
+        os.close(fd)
+        _refuse_unnamed(directory, OSError(errno.ENOENT, "/proc/self/fd is missing"))
+        return None
+    return fd
+
+
+def _refuse_unnamed(directory: str, exc: OSError) -> None:
+    """Remember that ``directory`` gets named temporary files (quietly: nothing changes for the user but the
+    listing of a write in flight)."""
+    _UNNAMED_REFUSED.add(directory)
+    log.debug(
+        "lightning_datastates: %s takes no unnamed files (O_TMPFILE: %s); writes there use a named temporary file",
+        directory,
+        exc.strerror or exc,
+    )
+
+
+def _link_unnamed(fd: int, temp_path: str, path: str) -> None:
+    """Give the unnamed file open at ``fd`` the name ``temp_path`` (``linkat`` of its ``/proc/self/fd`` link with
+    ``AT_SYMLINK_FOLLOW``: no privilege needed, unlike ``AT_EMPTY_PATH``).
+
+    Raises:
+        OSError: the link failed (naming ``path`` and the cause); later writes into that directory use named files.
+    """
+    try:
+        # CPython calls link(2) unless a directory descriptor is given, and link(2) links the /proc magic link
+        # itself (EXDEV). Any descriptor makes it call linkat(2) with AT_SYMLINK_FOLLOW, and linkat ignores the
+        # descriptor of an absolute source path: the file's own serves, no directory is opened.
+        with out_of_space_named(path):  # a new directory entry may need a block
+            os.link(f"/proc/self/fd/{fd}", temp_path, src_dir_fd=fd, follow_symlinks=True)
+    except OSError as exc:
+        if exc.errno in _OUT_OF_SPACE:
+            raise
+        _refuse_unnamed(os.path.dirname(temp_path) or ".", exc)
+        raise OSError(
+            exc.errno,
+            f"cannot name the written file of {path} ({exc.strerror}): the checkpoint is lost, later saves into its "
+            "directory write a named temporary file instead",
         ) from exc
 
 

@@ -5,8 +5,9 @@ Per checkpoint, writer threads 1) write its metadata; 2) write each chunk at its
 free the block or hand it to the resident cache, :mod:`~lightning_datastates.load.resident`), or straight from the
 training tensors (:mod:`~lightning_datastates.records.through`); 3) once its last outstanding work is released
 (:meth:`~lightning_datastates.records.job.SnapshotJob.release`, which calls :meth:`WriteLoop.schedule_commit` on
-whichever thread released it), commit the file, or abort it if the checkpoint failed or was cancelled, and finish the
-checkpoint (:meth:`~lightning_datastates.snapshot.pending.PendingCheckpoints.finish`).
+whichever thread released it), commit the file, or abort it if the checkpoint failed or was cancelled (superseded,
+or abandoned: :meth:`~lightning_datastates.snapshot.engine.SnapshotEngine.abandon`), and finish the checkpoint
+(:meth:`~lightning_datastates.snapshot.pending.PendingCheckpoints.finish`).
 
 Thread model: :meth:`WriteLoop.run` is the body of every writer thread; :meth:`WriteLoop.handle` runs there, once per
 task. A failure while writing is recorded on the checkpoint (raised on the training thread later), never lost.
@@ -31,6 +32,7 @@ from lightning_datastates.records.job import JobState, SnapshotJob
 from lightning_datastates.records.session import WriteSession
 from lightning_datastates.records.tasks import (
     POLL_S,
+    WAKE,
     Commit,
     WriteChunk,
     WriteMetadata,
@@ -82,6 +84,8 @@ class WriteLoop:
             try:
                 task = self.queue.get(timeout=POLL_S)
             except queue.Empty:
+                task = WAKE
+            if task is WAKE:  # idle for POLL_S, or woken by the engine's close: end now if that is due
                 if self._retire_if_idle(self.queue, idle_since):
                     return
                 continue
@@ -126,15 +130,22 @@ class WriteLoop:
         return _slicer(self._arena.memoryview(block))
 
     def _write_metadata(self, job: SnapshotJob) -> None:
+        """Write ``job``'s metadata ranges (the archive's headers and pickled skeleton); stops between them once the job
+        stopped, as :meth:`_write_chunk` does."""
         for offset, data in job.layout.metadata:
+            if job.stopped:
+                return
             job.session.write_range(offset, memoryview(data))
             job.add_written(len(data))
 
     def _write_chunk(self, job: SnapshotJob, chunk: Chunk, bytes_at: BytesAt, crcs: PieceCrcs | None = None) -> None:
         """Write ``chunk``'s pieces into ``job``'s file, each from ``bytes_at(block_offset, nbytes)`` (its arena
         block, or the training tensors themselves), with the CRC-32 the copier computed where it did (``crcs``, by
-        block offset)."""
+        block offset). Stops between pieces once the job stopped (failed, superseded, abandoned): nothing more of
+        it will be committed, and an abandon waits for the write in progress."""
         for piece in chunk.pieces:
+            if job.stopped:
+                return
             _write_piece(
                 job.session, piece.file_offset, bytes_at(piece.block_offset, piece.nbytes), crcs, piece.block_offset
             )

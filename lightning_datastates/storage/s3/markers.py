@@ -98,7 +98,7 @@ def drop_marker(client: S3Client, path: str, bucket: str, marker: UploadMarker) 
     Raises:
         S3WriteError: the request failed (``clean_stale`` removes the marker later).
     """
-    marker.written.result(timeout=client.timeout_s)
+    marker.written.result(timeout=client.worst_case_s())  # its PutObject ends by then, with all its retries
     client.run(
         f"removing the upload marker of {path}",
         lambda: client.call("delete_object", Bucket=bucket, Key=marker.key),

@@ -148,6 +148,7 @@ async def _read_ranges(
             await client.with_retries(
                 f"reading bytes {start}-{stop - 1} of {path}",
                 lambda: _get_range(client, bucket, key, etag, target[start:stop], start),
+                nbytes=stop - start,
             )
 
     tasks = [asyncio.ensure_future(read_range(s, min(s + step, size))) for s in range(0, size, step)]

@@ -175,6 +175,7 @@ class S3WriteSession(WriteSession):
                         # for every attempt (a retry reads from the start).
                         Body=BufferReader(body) if isinstance(body, memoryview) else body,
                     ),
+                    nbytes=len(body),
                 )
                 return str(response["ETag"])
         finally:
@@ -219,6 +220,7 @@ class S3WriteSession(WriteSession):
                 self._client.run(
                     f"uploading {self.path}",
                     lambda: self._client.call("put_object", Bucket=self.bucket, Key=self.key, Body=body),
+                    nbytes=len(body),
                 )
             else:
                 concurrent.futures.wait(futures)  # bounded: every attempt of every part has a timeout
@@ -234,6 +236,7 @@ class S3WriteSession(WriteSession):
                         UploadId=self.upload_id,
                         MultipartUpload={"Parts": parts},
                     ),
+                    nbytes=self.plan.total_bytes,  # S3 assembles the parts meanwhile (it keeps the answer alive)
                 )
                 OPEN_UPLOADS.discard(self.upload_id)
                 self._drop_marker()

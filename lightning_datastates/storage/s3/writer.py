@@ -13,6 +13,7 @@ seen exist.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections.abc import Hashable, Sequence
@@ -23,6 +24,9 @@ from lightning_datastates.errors import ConfigError
 from lightning_datastates.storage.base import DirectoryEntry, StorageWriter
 from lightning_datastates.storage.s3 import deletes, reads
 from lightning_datastates.storage.s3.client import (
+    DEFAULT_MIN_BYTES_PER_S,
+    DEFAULT_RETRIES,
+    DEFAULT_TIMEOUT_S,
     ERROR_HINTS,
     S3Client,
     S3NotFoundError,
@@ -43,8 +47,15 @@ class S3Writer(StorageWriter):
             Without them s3fs reads the standard AWS variables, ``AWS_ENDPOINT_URL`` included.
         part_size_bytes: bytes per part (int or ``"64MiB"``; default 16 MiB), clamped to S3's limits.
         max_concurrent_parts: parts uploaded (or ranges read) at once per checkpoint (default 8).
-        retries: retries of each request after its first attempt, with exponential backoff (default 3).
-        timeout_s: limit of one attempt of one request (default 120 s).
+        retries: retries of each request after its first attempt, with exponential backoff from 1 s (default 3);
+            each retry is logged as a warning.
+        timeout_s: the longest the endpoint may stay silent in an attempt: to connect, to begin its answer once the
+            request was sent, and between bytes of the answer; also the whole attempt of a request that moves no data
+            (a listing, a HEAD, a DELETE, ...). Default 10 s: a never-answering endpoint fails a request in about a
+            minute with the default ``retries`` (:meth:`S3Client.worst_case_s`).
+        min_bytes_per_s: the slowest link tolerated, in bytes per second (int or ``"2MiB"``; default 2 MiB): an
+            attempt moving ``n`` bytes (a part, a ranged GET) may take
+            ``timeout_s + n * max_concurrent_parts / min_bytes_per_s`` (the parts in flight share the link).
         read_range_bytes: bytes per ranged GET when loading (int or ``"64MiB"``); default None: the object split
             evenly over ``max_concurrent_parts`` ranges, each at least 8 MiB and at most 256 MiB.
 
@@ -62,17 +73,19 @@ class S3Writer(StorageWriter):
         *,
         part_size_bytes: Size = 16 * MiB,
         max_concurrent_parts: int = 8,
-        retries: int = 3,
-        timeout_s: float = 120.0,
+        retries: int = DEFAULT_RETRIES,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        min_bytes_per_s: Size = DEFAULT_MIN_BYTES_PER_S,
         read_range_bytes: Size | None = None,
     ) -> None:
         self.part_size_bytes = parse_size(part_size_bytes, "part_size_bytes")
         self.read_range_bytes = None if read_range_bytes is None else parse_size(read_range_bytes, "read_range_bytes")
         self.max_concurrent_parts = _check_int(max_concurrent_parts, "max_concurrent_parts", 1, 1000)
         self.retries = _check_int(retries, "retries", 0, 100)
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-            raise ConfigError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
+            raise ConfigError(f"timeout_s must be a positive, finite number of seconds (such as 10), got {timeout_s!r}")
         self.timeout_s = float(timeout_s)
+        self.min_bytes_per_s = parse_size(min_bytes_per_s, "min_bytes_per_s")
         self.storage_options = dict(storage_options or {})
         check_s3_options(self.storage_options)
         self._lock = threading.Lock()  # guards the client (rebuilt after a fork) and the known buckets
@@ -106,7 +119,13 @@ class S3Writer(StorageWriter):
         return self.client.fs
 
     def _new_client(self) -> S3Client:
-        return S3Client(self.storage_options, retries=self.retries, timeout_s=self.timeout_s)
+        return S3Client(
+            self.storage_options,
+            retries=self.retries,
+            timeout_s=self.timeout_s,
+            min_bytes_per_s=self.min_bytes_per_s,
+            concurrency=self.max_concurrent_parts,
+        )
 
     # ------------------------------------------------------------------ writing
     def begin(self, path: str, total_bytes: int) -> S3WriteSession:
