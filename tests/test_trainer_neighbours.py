@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 
 import lightning as L
 import pytest
@@ -33,8 +34,16 @@ def _ours(trainer: L.Trainer) -> list[DataStatesCallback]:
     return [callback for callback in trainer.callbacks if isinstance(callback, DataStatesCallback)]
 
 
-def _engine_threads() -> list[str]:
-    return [thread.name for thread in threading.enumerate() if thread.name.startswith("datastates-")]
+@pytest.fixture
+def new_threads_of_ours() -> Callable[[], list[str]]:
+    """The threads of this package started since the test began and still running (threads that other tests in the
+    same worker left behind, with plugins they never tore down, are not this test's)."""
+    before = set(threading.enumerate())
+
+    def ours() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name.startswith("datastates-") and t not in before]
+
+    return ours
 
 
 # ---------------------------------------------------------------------------------------------- the callback list
@@ -75,26 +84,28 @@ def test_a_plugin_set_on_the_strategy_after_init_gets_its_callback_at_fit(tmp_pa
 
 
 # ---------------------------------------------------------------------------------------------- threads
-def test_a_save_outside_the_training_loop_leaves_no_thread_running(tmp_path):
+def test_a_save_outside_the_training_loop_leaves_no_thread_running(tmp_path, new_threads_of_ours):
     plugin = DataStatesIO()
     trainer = make_trainer(str(tmp_path), plugin, callbacks=[every_step_checkpoint(str(tmp_path / "c"))], max_steps=3)
     trainer.fit(BNModel(width=16), make_loader(n=16))
-    assert _engine_threads() == []  # the end of fit tears the plugin down
+    assert new_threads_of_ours() == []  # the end of fit tears the plugin down
     path = tmp_path / "after_fit.ckpt"
     trainer.save_checkpoint(path)
-    assert _engine_threads() == []  # as TorchCheckpointIO: the call returns with the file committed, nothing running
+    assert (
+        new_threads_of_ours() == []
+    )  # as TorchCheckpointIO: the call returns with the file committed, nothing running
     assert torch.load(path, weights_only=False)["global_step"] == 3
     plugin.save_checkpoint({"state_dict": {"w": torch.ones(4)}}, str(tmp_path / "plain.ckpt"))  # the plugin alone
-    assert _engine_threads() == []
+    assert new_threads_of_ours() == []
 
 
-def test_async_checkpoint_io_around_the_plugin_leaves_no_thread_after_fit(tmp_path):
+def test_async_checkpoint_io_around_the_plugin_leaves_no_thread_after_fit(tmp_path, new_threads_of_ours):
     plugin = DataStatesIO()
     trainer = make_trainer(
         str(tmp_path), AsyncCheckpointIO(plugin), callbacks=[every_step_checkpoint(str(tmp_path / "c"))], max_steps=4
     )
     trainer.fit(BNModel(width=16), make_loader(n=32))
-    assert _engine_threads() == []
+    assert new_threads_of_ours() == []
     assert (tmp_path / "c" / "last.ckpt").exists()
 
 
