@@ -68,6 +68,7 @@ class DataStatesCallback(Callback):
         if pipeline is None or not pipeline.attach(self):
             return
         self._pipeline, self._trainer = pipeline, trainer
+        pipeline.check_tiered(trainer)  # a local tier on several nodes: refused before anything is saved
         if saves_with_dcp(trainer.strategy):
             pipeline.enable_sharded(trainer.strategy)  # sharded FSDP and ModelParallel save through DCP: take them over
         warn_if_bypassed(trainer.strategy)  # DeepSpeed: its saves never reach the plugin

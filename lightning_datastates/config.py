@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field, fields
 from decimal import Decimal
@@ -102,6 +103,8 @@ class DataStatesConfig:
     storage_alignment: int | None = None
     serve_from_memory: bool = True
     direct_io: DirectIO = "auto"
+    local_tier: str | None = None
+    local_keep: int = 2
     # Not a user setting: lazy chunks of host tensors are written straight from them when the storage takes writes
     # at memory speed (records/through.py). Tests turn it off to exercise the arena path on the CPU.
     write_through: bool = field(default=True, metadata={"user_setting": False})
@@ -131,6 +134,13 @@ class DataStatesConfig:
                 f"same, warning where it does not) or False (always the page cache), got {direct_io!r}"
             )
         _check_fault_policies(self.on_flush_error, self.on_arena_full, self.stale_after_s)
+        local_tier = _local_tier(self.local_tier)
+        local_keep = self.local_keep
+        if isinstance(local_keep, bool) or not isinstance(local_keep, int) or local_keep < 0:
+            raise ConfigError(
+                f"local_keep must be an int >= 0 (how many of the newest checkpoints the local tier keeps once "
+                f"replicated; default 2), got {local_keep!r}"
+            )
         storage_alignment: Size | None = self.storage_alignment
         alignment = None if storage_alignment is None else parse_size(storage_alignment, "storage_alignment")
         if alignment is not None and not (alignment & (alignment - 1) == 0 and 64 <= alignment <= MAX_ALIGNMENT):
@@ -146,6 +156,7 @@ class DataStatesConfig:
             ("eager_copy_size", eager_copy_bytes),
             ("stale_after_s", float(self.stale_after_s)),
             ("storage_alignment", alignment),
+            ("local_tier", local_tier),
         ):
             object.__setattr__(self, name, value)
 
@@ -159,6 +170,28 @@ class DataStatesConfig:
 
 #: The fields that are ``DataStatesIO`` parameters, in its order: every field but ``write_through``.
 USER_SETTINGS: tuple[str, ...] = tuple(f.name for f in fields(DataStatesConfig) if f.metadata.get("user_setting", True))
+
+
+def _local_tier(value: Any) -> str | None:
+    """``local_tier`` as an absolute, normalized local path (``file://`` dropped); None stays None.
+
+    Raises:
+        ConfigError: not a string, or not a local path.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)) or not str(value).strip():
+        raise ConfigError(f"local_tier must be a local directory such as '/local/nvme/ckpts', or None; got {value!r}")
+    text = os.fspath(value)
+    if text.startswith("file://"):
+        text = text[len("file://") :]
+    if "://" in text:
+        raise ConfigError(
+            f"local_tier={value!r} is not a local directory: the local tier is node-local storage (NVMe, a local "
+            "disk). Give the remote location as ModelCheckpoint's dirpath, and local_tier a local directory such as "
+            "'/local/nvme/ckpts'"
+        )
+    return os.path.abspath(os.path.expanduser(text))
 
 
 def _check_fault_policies(on_flush_error: Any, on_arena_full: Any, stale_after_s: Any) -> None:

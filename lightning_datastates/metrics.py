@@ -5,16 +5,20 @@ Trainer's loggers under the ``datastates/`` prefix, at the next training step wh
 (``Trainer(log_every_n_steps=...)``, as ``LearningRateMonitor`` does; what is committed after the last such step goes
 at the end of training), with that step:
 
-==============================  ========================================================================================
-key                             meaning
-==============================  ========================================================================================
-``datastates/blocked_s``        training time lost to this checkpoint: the save call plus the barrier waits (seconds)
-``datastates/bytes``            size of the file written (bytes)
-``datastates/copy_MB_per_s``    tensor bytes copied into host memory / seconds from the save call until the copy ended
-``datastates/flush_MB_per_s``   file bytes / seconds from the save call until the commit (1 MB = 10^6 bytes)
-``datastates/durable_s``        seconds from the save call until the file was committed
-``datastates/arena_occupancy``  highest fraction of the host arena held by pending checkpoints (not retained ones)
-==============================  ========================================================================================
+==================================  ====================================================================================
+key                                 meaning
+==================================  ====================================================================================
+``datastates/blocked_s``            training time lost to this checkpoint: the save call plus the barrier waits (s)
+``datastates/bytes``                size of the file written (bytes)
+``datastates/copy_MB_per_s``        tensor bytes copied into host memory / seconds from the save call to the copy's end
+``datastates/flush_MB_per_s``       file bytes / seconds from the save call until the commit (1 MB = 10^6 bytes)
+``datastates/durable_s``            seconds from the save call until the file was committed (with a local tier: its
+                                    local copy)
+``datastates/persistent_durable_s`` with a local tier: seconds from the save call until the copy at the persistent path
+                                    was committed
+``datastates/replicate_MB_per_s``   with a local tier: file bytes / seconds from the local commit to the persistent one
+``datastates/arena_occupancy``      highest fraction of the host arena held by pending checkpoints (not retained ones)
+==================================  ====================================================================================
 
 Across checkpoints and processes, ``torchmetrics`` aggregates (``MeanMetric``, ``MaxMetric``, ``SumMetric``) are
 updated with the same values and computed at the end of training; ``compute`` syncs them across processes (the
@@ -28,6 +32,7 @@ Nothing is logged when the Trainer has no logger (``logger=False``); the summary
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -53,6 +58,10 @@ def checkpoint_metrics(stats: SnapshotStats, arena_occupancy: float | None = Non
             values["flush_MB_per_s"] = stats.total_bytes / stats.durable_s / _MB
     if stats.copy_s is not None and stats.copy_s > 0:
         values["copy_MB_per_s"] = stats.payload_bytes / stats.copy_s / _MB
+    if stats.persistent_durable_s is not None:
+        values["persistent_durable_s"] = stats.persistent_durable_s
+        if stats.durable_s is not None and stats.persistent_durable_s > stats.durable_s:
+            values["replicate_MB_per_s"] = stats.total_bytes / (stats.persistent_durable_s - stats.durable_s) / _MB
     if arena_occupancy is not None:
         values["arena_occupancy"] = arena_occupancy
     return {PREFIX + name: value for name, value in values.items()}
@@ -84,6 +93,8 @@ class CheckpointMetrics:
             "blocked_s_max": MaxMetric(),
             "durable_s_mean": MeanMetric(),
             "durable_s_max": MaxMetric(),
+            "persistent_durable_s_mean": MeanMetric(),
+            "persistent_durable_s_max": MaxMetric(),
             "copy_MB_per_s_mean": MeanMetric(),
             "flush_MB_per_s_mean": MeanMetric(),
             "arena_occupancy_max": MaxMetric(),
@@ -123,10 +134,10 @@ class CheckpointMetrics:
         for watched in self._watched:
             if occupancy is not None:
                 watched.arena_occupancy = max(occupancy, watched.arena_occupancy or 0.0)
-            if watched.stats.durable_s is not None:  # set last, once committed, failed or cancelled
+            if watched.stats.final:  # committed, failed or cancelled (and replicated or not, with a local tier)
                 finished.append(watched)
         if finished:
-            self._watched = [w for w in self._watched if w.stats.durable_s is None]
+            self._watched = [w for w in self._watched if not w.stats.final]
             self._unlogged.extend(finished)
 
     def log_committed(self, trainer: Trainer) -> None:
@@ -153,7 +164,11 @@ class CheckpointMetrics:
         if totals["checkpoints"] == 0 and totals["failed"] == 0:
             return
         if totals["checkpoints"] > 0:
-            _log(trainer, {PREFIX + name: value for name, value in totals.items() if name not in _COUNTED_ONLY})
+            # A metric never updated (persistent_durable_s without a local tier) computes to nan or -inf: not logged.
+            logged = {
+                name: value for name, value in totals.items() if name not in _COUNTED_ONLY and math.isfinite(value)
+            }
+            _log(trainer, {PREFIX + name: value for name, value in logged.items()})
         if trainer.is_global_zero:
             print(summary_line(totals, pipeline.config.on_flush_error), flush=True)
 
@@ -161,10 +176,12 @@ class CheckpointMetrics:
         self._move_to(trainer.strategy.root_device)
         for watched in finished:
             stats = watched.stats
-            if stats.state != JobState.COMMITTED.value:
-                if stats.state == JobState.FAILED.value:
+            # With a local tier, a checkpoint counts as committed once on both tiers.
+            state = stats.state if stats.state != JobState.COMMITTED.value else (stats.replication or stats.state)
+            if state != JobState.COMMITTED.value:
+                if state == JobState.FAILED.value:
                     self.aggregates["failed"].update(1.0)
-                elif stats.state == JobState.CANCELLED.value:
+                elif state == JobState.CANCELLED.value:
                     self.aggregates["superseded"].update(1.0)
                 continue
             values = checkpoint_metrics(stats, watched.arena_occupancy)
@@ -205,9 +222,15 @@ def summary_line(totals: dict[str, float], on_flush_error: str = "raise") -> str
             f"training blocked {totals['blocked_s_mean'] * 1e3:.1f} ms per checkpoint "
             f"(max {totals['blocked_s_max'] * 1e3:.1f} ms)"
         )
+        durable = f"durable {totals['durable_s_mean']:.2f} s after the save (max {totals['durable_s_max']:.2f} s)"
+        if totals.get("persistent_durable_s_max", 0.0) > 0:  # a local tier: durable there, then persistent
+            durable = (
+                f"durable {totals['durable_s_mean']:.2f} s after the save locally (max {totals['durable_s_max']:.2f} "
+                f"s), {totals['persistent_durable_s_mean']:.2f} s persistent (max "
+                f"{totals['persistent_durable_s_max']:.2f} s)"
+            )
         parts.append(
-            f"copy {totals['copy_MB_per_s_mean']:.0f} MB/s, flush {totals['flush_MB_per_s_mean']:.0f} MB/s, "
-            f"durable {totals['durable_s_mean']:.2f} s after the save (max {totals['durable_s_max']:.2f} s)"
+            f"copy {totals['copy_MB_per_s_mean']:.0f} MB/s, flush {totals['flush_MB_per_s_mean']:.0f} MB/s, {durable}"
         )
         parts.append(f"host arena up to {100 * totals['arena_occupancy_max']:.0f}% full")
     superseded = int(totals.get("superseded", 0.0))

@@ -20,6 +20,7 @@ import logging
 import os
 import time
 import weakref
+from functools import partial
 from typing import IO, TYPE_CHECKING, Any, NoReturn, Protocol, cast
 
 import fsspec
@@ -42,6 +43,7 @@ from lightning_datastates.snapshot.engine import LazyPredicate, SnapshotEngine
 from lightning_datastates.snapshot.pending import flush_error
 from lightning_datastates.storage import StorageWriter, fsspec_storage_options, writer_for, writer_kind
 from lightning_datastates.storage.removal import remove_checkpoint
+from lightning_datastates.tiered.tiers import NOT_LOCAL, TieredCheckpoints
 
 if TYPE_CHECKING:
     from lightning_datastates.sharded.saver import ShardedSaver
@@ -83,6 +85,7 @@ class CheckpointPipeline:
         # One storage writer per protocol ("" for local paths), built on first use; on the training thread only.
         self._writers: dict[str, StorageWriter] = {}
         self._sharded: ShardedSaver | None = None  # set while a sharded strategy's saves go through the plugin
+        self._tiers: TieredCheckpoints | None = None  # with local_tier: made on first use (config may change before)
 
     # ------------------------------------------------------------------ the plugin's CheckpointIO methods
     def save_checkpoint(self, checkpoint: dict[str, Any], path: CheckpointPath) -> None:
@@ -98,14 +101,19 @@ class CheckpointPipeline:
             self.clean_once(directory)
             self.engine.pending.before_save(path)  # a removal of this path held back must not delete the new file
             with sigint_deferred():  # Ctrl+C must not split a capture (see interrupts.py)
-                stats = self.engine.capture(checkpoint, path, writer, lazy, awaits_commit=awaits_commit)
+                if self.tiers is not None:  # written to the local copy, replicated to path after its commit
+                    stats = self.tiers.save(self.engine, checkpoint, path, lazy, awaits_commit)
+                else:
+                    stats = self.engine.capture(checkpoint, path, writer, lazy, awaits_commit=awaits_commit)
         except OSError as exc:
             raise CheckpointFlushError(f"cannot write checkpoint {path}: {exc}", path) from exc
         if awaits_commit:
-            self.wait_for_commit(path)
+            self.wait_for_commit(path)  # with a local tier: until the copy at path is committed
             # Nothing of the training loop follows to drain or tear down: the threads end now, as a synchronous save
             # leaves none behind (the next save starts them again).
             self.engine.close()
+            if self._tiers is not None:
+                self._tiers.close()
         stats.save_call_s = time.perf_counter() - started
 
     def wait_for_commit(self, path: str) -> None:
@@ -123,6 +131,8 @@ class CheckpointPipeline:
         finally:
             # Whatever ended the wait (even an interrupt), the state must not be read once this call returns.
             self.engine.wait_copies(attribute=False)
+        if self._tiers is not None and (local_path := self._tiers.local_copy_of(path)) is not None:
+            self.raise_pending_failure(local_path)  # the local write's own failure (the copy then had nothing to copy)
         self.raise_pending_failure(path)
 
     def load_checkpoint(self, path: CheckpointPath, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
@@ -130,6 +140,17 @@ class CheckpointPipeline:
         once any pending write of it has landed, from the host arena where it is still whole there. On the caller's
         thread (the training thread in a run)."""
         path = checkpoint_path_str(path)
+        if self.tiers is not None:
+            # The local copy where it is whole and current (it waits for a pending write of it, not for the copy).
+            loaded = self.tiers.load(self._engine, path, partial(self._load_from, map_location, weights_only))
+            if loaded is not NOT_LOCAL:
+                return cast(dict[str, Any], loaded)
+        return self._load_from(map_location, weights_only, path, verify_checksums=self.config.verify_checksums)
+
+    def _load_from(
+        self, map_location: Any, weights_only: bool | None, path: str, verify_checksums: bool = True
+    ) -> dict[str, Any]:
+        """:meth:`load_checkpoint` of ``path`` as it is stored (a local tier's copy, or any checkpoint)."""
         if self._engine is not None:
             # A symbolic link (save_last="link") is read through to its target: a pending save of that file counts.
             for name in dict.fromkeys((path, path if "://" in path else os.path.realpath(path))):
@@ -146,7 +167,7 @@ class CheckpointPipeline:
             path,
             map_location=map_location,
             weights_only=weights_only,
-            verify_checksums=self.config.verify_checksums,
+            verify_checksums=verify_checksums,
         )
 
     def remove_checkpoint(self, path: CheckpointPath) -> None:
@@ -154,6 +175,9 @@ class CheckpointPipeline:
         ``path`` at once, or (something pending) once every checkpoint saved before this call is committed."""
         path = checkpoint_path_str(path)
         writer = self.writer_for(path)
+        if self.tiers is not None:  # both copies, once the saves before are on the persistent tier
+            self.tiers.remove(self.engine, path, lambda: remove_checkpoint(writer, path))
+            return
         if self._engine is None:
             remove_checkpoint(writer, path)
             return
@@ -165,7 +189,9 @@ class CheckpointPipeline:
         of the plugin or its callback."""
         if self._engine is None:
             return
-        self._engine.close()  # drains every pending save, sharded commits included
+        self._engine.close()  # drains every pending save, sharded commits and replications included
+        if self._tiers is not None:
+            self._tiers.close()
         for failed in self._engine.unreported_failures():
             log.error(
                 "lightning_datastates: %s (raised as CheckpointFlushError by the next call of the plugin); earlier "
@@ -185,6 +211,27 @@ class CheckpointPipeline:
             self._engine.drain()
 
     # ------------------------------------------------------------------ used by the callback and the demo
+    @property
+    def tiers(self) -> TieredCheckpoints | None:
+        """The local tier (``local_tier``), made on first use; None without one."""
+        if self._tiers is None and self.config.local_tier is not None:
+            self._tiers = TieredCheckpoints(self.config, self.writer_for)
+        return self._tiers
+
+    def check_tiered(self, trainer: Any) -> None:
+        """Refuse, at setup, a tiered run the local tier does not support (several nodes, a checkpoint directory inside
+        the local tier, a local tier that cannot be written; sharded strategies are refused by
+        :meth:`enable_sharded`).
+
+        Raises:
+            ConfigError: naming what is not supported.
+        """
+        if self.tiers is not None:
+            self.tiers.check_supported(sharded=False, num_nodes=int(getattr(trainer, "num_nodes", 1) or 1))
+            callbacks = getattr(trainer, "checkpoint_callbacks", [])
+            dirpaths = [str(dirpath) for c in callbacks if (dirpath := getattr(c, "dirpath", None)) is not None]
+            self.tiers.check_directories(dirpaths)
+
     @property
     def engine(self) -> SnapshotEngine:
         """The snapshot engine, created on first use (it is not pickled into spawned workers)."""
@@ -298,6 +345,9 @@ class CheckpointPipeline:
         removed = clean_leftovers(self.writer_for(directory), directory, self.config.stale_after_s)
         if removed:
             log.info("lightning_datastates: removed %d stale temporary file(s) in %s", len(removed), directory)
+        if self.tiers is not None:
+            # After the cleanup (a dead run's upload aborted first): replicate the local copies it did not.
+            self.tiers.recover(self.engine, directory)
         return removed
 
     def arena_occupancy(self) -> float | None:
@@ -315,6 +365,8 @@ class CheckpointPipeline:
         at setup, after the process group is up (it makes a gloo group for the commits: a collective)."""
         import torch.distributed as dist
 
+        if self.tiers is not None:
+            self.tiers.check_supported(sharded=True, num_nodes=1)  # raises: not supported yet
         from lightning_datastates.sharded.commit import DEFAULT_EXCHANGE_TIMEOUT
         from lightning_datastates.sharded.lightning import install
         from lightning_datastates.sharded.saver import ShardedSaver

@@ -16,7 +16,7 @@ from typing import Any
 from lightning.pytorch.plugins.io import CheckpointIO
 
 from lightning_datastates.callback import attach_callback
-from lightning_datastates.compat.last_checkpoint import resolve_last_checkpoint
+from lightning_datastates.compat.last_checkpoint import LastOptions, resolve_last_checkpoint
 from lightning_datastates.compat.lightning import CheckpointPath
 from lightning_datastates.compat.trainer_hooks import after_callbacks_configured
 from lightning_datastates.config import (
@@ -104,6 +104,15 @@ class DataStatesIO(CheckpointIO):
             from storage, if the file on storage is unchanged since its commit (checked by a stat, or a HEAD on
             S3). It never takes memory beyond host_cache: new snapshots evict retained ones, oldest first.
             False: arena space is freed as soon as it is written.
+        local_tier: a directory on node-local storage (NVMe) for tiered checkpoints, or None (default: one tier).
+            Each checkpoint is committed there first (durable against a process crash within seconds), then
+            copied behind training to its ModelCheckpoint path (S3, Lustre: durable against the loss of the node),
+            which stays the checkpoint's name everywhere. Loads read the local copy where it is whole and current,
+            else the persistent one; a run that dies before a copy finished has it finished by the next run on the
+            node. Single-file checkpoints on one node (sharded strategies and several nodes are refused at setup).
+            See the README, "Tiered checkpoints".
+        local_keep: how many of the newest checkpoints of each directory the local tier keeps once replicated
+            (default 2; 0: each local copy goes once replicated). Copies not yet replicated are always kept.
     """
 
     def __init__(
@@ -120,6 +129,8 @@ class DataStatesIO(CheckpointIO):
         storage_alignment: Size | None = None,
         serve_from_memory: bool = True,
         direct_io: DirectIO = "auto",
+        local_tier: str | None = None,
+        local_keep: int = 2,
     ) -> None:
         # Every parameter is the DataStatesConfig field of the same name (tests/test_config.py checks): handed over by
         # name, so that the settings are spelled in two places only, this signature and the config's fields.
@@ -244,12 +255,13 @@ def pipeline_of(plugin: DataStatesIO) -> CheckpointPipeline:
     return plugin._pipeline
 
 
-def _prepare_for_last(trainer: Any) -> float | None:
+def _prepare_for_last(trainer: Any) -> LastOptions | None:
     """For ``fit(ckpt_path="last")`` of a ``trainer`` that saves and loads through a :class:`DataStatesIO` (wrapped or
     not): its ``ModelCheckpoint``s look at the plugin's store (``CheckpointPipeline.adopt_file_systems``), and the
-    plugin's ``stale_after_s``; None (nothing done) for a Trainer without one."""
+    plugin's ``stale_after_s`` and local tier; None (nothing done) for a Trainer without one."""
     pipeline = trainer_pipeline(trainer)
     if pipeline is None:
         return None
     pipeline.adopt_file_systems(trainer)
-    return pipeline.config.stale_after_s
+    tiers = pipeline.tiers
+    return LastOptions(pipeline.config.stale_after_s, None if tiers is None else tiers.local_copies)

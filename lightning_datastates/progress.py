@@ -60,9 +60,9 @@ def drain_with_progress(trainer: Trainer, plugin: Drainable) -> None:
     bar_callback = trainer.progress_bar_callback
     # Lightning's bars disable themselves on other ranks than global zero and with refresh_rate=0.
     if pending and bar_callback is not None and getattr(bar_callback, "is_enabled", True):
-        total = sum(stats.total_bytes for stats in pending)
+        total = sum(_bytes_to_move(stats) for stats in pending)
         with open_bar(bar_callback, total) as bar:
-            while any(stats.durable_s is None for stats in pending):
+            while any(not stats.final for stats in pending):
                 bar.show(_done_bytes(pending))
                 time.sleep(REFRESH_S)
             bar.show(total)
@@ -89,7 +89,7 @@ def drain_on_interrupt(trainer: Trainer, engine: SnapshotEngine, exception: Base
     abandon = threading.Event()
     with sigint_sets(abandon, interrupted=isinstance(exception, KeyboardInterrupt)) as catchable:
         log.warning("lightning_datastates: %s", _waiting_line(pending, len(engine.pending.outstanding()), catchable))
-        with _optional_bar(trainer, sum(stats.total_bytes for stats in pending)) as bar:
+        with _optional_bar(trainer, sum(_bytes_to_move(stats) for stats in pending)) as bar:
             # Polled, not a blocking wait: the SIGINT handler only sets the event (a handler must not take locks
             # the interrupted wait may hold), and a sleep returns to it within REFRESH_S.
             while engine.pending.outstanding() and not abandon.is_set():
@@ -106,15 +106,21 @@ def drain_on_interrupt(trainer: Trainer, engine: SnapshotEngine, exception: Base
 
 
 def _unfinished(history: Iterable[SnapshotStats]) -> list[SnapshotStats]:
-    """The checkpoints of ``history`` not yet committed or failed. A skipped one (``on_arena_full="skip"``) never gets a
-    ``durable_s``: it has nothing to write and is left out, or a drain would wait for it forever."""
-    return [stats for stats in history if stats.durable_s is None and stats.state != JobState.SKIPPED.value]
+    """The checkpoints of ``history`` not yet committed or failed (with a local tier: on both tiers). A skipped one
+    (``on_arena_full="skip"``) never gets a ``durable_s``: it has nothing to write and is left out, or a drain would
+    wait for it forever."""
+    return [stats for stats in history if not stats.final and stats.state != JobState.SKIPPED.value]
+
+
+def _bytes_to_move(stats: SnapshotStats) -> int:
+    """The bytes a checkpoint writes: its file, twice with a local tier (the local copy, then its replication)."""
+    return stats.total_bytes * (1 if stats.replication is None else 2)
 
 
 def _waiting_line(pending: list[SnapshotStats], entries: int, catchable: bool) -> str:
     """What the wait after an exception waits for (``entries``: pending saves, sharded commits included)."""
     count = len(pending) or entries
-    left = sum(stats.total_bytes - min(stats.written_bytes, stats.total_bytes) for stats in pending)
+    left = sum(_bytes_to_move(stats) - _moved_bytes(stats) for stats in pending)
     line = (
         f"waiting for {count} checkpoint{'s' if count != 1 else ''} still being written "
         f"({left / 1024**2:.1f} MiB left) before shutting down"
@@ -156,7 +162,14 @@ def _optional_bar(trainer: Trainer, total_bytes: int) -> Iterator[_Bar]:
 
 def _done_bytes(pending: list[SnapshotStats]) -> int:
     # A finished checkpoint counts whole (a failed or cancelled one has nothing more to write either).
-    return sum(s.total_bytes if s.durable_s is not None else min(s.written_bytes, s.total_bytes) for s in pending)
+    return sum(_bytes_to_move(s) if s.final else _moved_bytes(s) for s in pending)
+
+
+def _moved_bytes(stats: SnapshotStats) -> int:
+    """The bytes a pending checkpoint has written so far (its local copy whole once durable, plus what is
+    replicated)."""
+    local = stats.total_bytes if stats.durable_s is not None else min(stats.written_bytes, stats.total_bytes)
+    return local + min(stats.replicated_bytes, stats.total_bytes)
 
 
 @contextmanager

@@ -5,7 +5,8 @@
 * Fixtures (import the ``*_fixture`` functions into a test module): ``s3_endpoint`` (session: the server, plus
   dummy ``AWS_*`` variables and ``AWS_ENDPOINT_URL`` so plain ``s3://`` URLs reach it, as in Lightning's own
   ``ModelCheckpoint``) and ``s3`` (per test: a fresh bucket; after the test, no multipart upload may be left open).
-* :class:`MotoProcess`: ``moto_server -H 127.0.0.1 -p PORT`` as a subprocess, killable and restartable on its port.
+* :class:`MotoProcess`: ``moto_server -H 127.0.0.1 -p PORT`` as a subprocess, killable and restartable on its port
+  (the benchmark's :class:`~lightning_datastates.benchmark.moto.MotoServer`, which can also pause here).
 
 Skips (not fails) when s3fs or moto's server extras are missing.
 """
@@ -14,14 +15,8 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
-import shutil
 import signal
-import socket
-import subprocess
-import sys
 import threading
-import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,9 +24,9 @@ from typing import Any
 
 import pytest
 
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+from lightning_datastates.benchmark.moto import CREDENTIALS, MotoServer, free_port  # noqa: F401 - tests import it here
+
 BUCKET = "bucket"
-_START_TIMEOUT_S = 30.0
 
 _shared: Any = None
 _shared_lock = threading.Lock()
@@ -191,45 +186,9 @@ def s3_fixture(s3_endpoint: str) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------- a killable server
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class MotoProcess:
-    """``moto_server`` in a subprocess on a fixed port: SIGKILL it, SIGSTOP it, start it again on the same port."""
-
-    def __init__(self, port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> MotoProcess:
-        command = shutil.which("moto_server")
-        argv = [command] if command else [sys.executable, "-m", "moto.server"]
-        self.process = subprocess.Popen(
-            [*argv, "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            env={**os.environ, **CREDENTIALS},
-        )
-        deadline = time.monotonic() + _START_TIMEOUT_S
-        while True:
-            try:
-                urllib.request.urlopen(f"{self.endpoint}/moto-api/", timeout=1).read()
-                return self
-            except OSError:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    self.kill()
-                    raise RuntimeError(f"moto_server did not start on port {self.port}")
-                time.sleep(0.1)
-
-    def kill(self) -> None:
-        """SIGKILL: the server dies mid-request, its state (buckets, uploads) with it."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(30)
+class MotoProcess(MotoServer):
+    """``moto_server`` in a subprocess on a fixed port (the benchmark's): SIGKILL it, SIGSTOP it, start it again on
+    the same port."""
 
     def pause(self) -> None:
         assert self.process is not None

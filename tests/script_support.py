@@ -154,16 +154,24 @@ def launch(script: str, *args: str, **env: str) -> subprocess.Popen[str]:
 def run_to_completion(script: str, *args: str, timeout_s: float, what: str, **env: str) -> str:
     """Run ``tests/<script>`` like :func:`launch` with a fresh ``MASTER_PORT``, wait for it, fail the test (naming
     ``what``, with the end of its output) if it hangs past ``timeout_s`` or exits non-zero; its output."""
-    import pytest
 
     from tests.s3_server import free_port
 
     process = launch(script, *args, MASTER_PORT=str(free_port()), **env)
+    output = output_of(process, timeout_s, what)
+    assert process.returncode == 0, f"{what} run failed:\n{output[-4000:]}"
+    return output
+
+
+def output_of(process: subprocess.Popen[str], timeout_s: float, what: str) -> str:
+    """The output of ``process`` once it ended; the test fails (naming ``what``, with the end of the output) if it
+    runs past ``timeout_s`` (it is killed then)."""
+    import pytest
+
     try:
         output, _ = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         process.kill()
         output, _ = process.communicate()
         pytest.fail(f"{what} run hung:\n{output[-4000:]}")
-    assert process.returncode == 0, f"{what} run failed:\n{output[-4000:]}"
     return output

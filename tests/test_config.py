@@ -187,6 +187,8 @@ def test_every_setting_is_documented_and_reaches_the_config() -> None:
         "storage_alignment": "4KiB",
         "serve_from_memory": False,
         "direct_io": True,
+        "local_tier": "/local/nvme",
+        "local_keep": 5,
     }
     assert sorted(given) == sorted(USER_SETTINGS)
     config = DataStatesIO(**given).config

@@ -114,10 +114,25 @@ def test_s3_config_against_a_local_s3_server(tmp_path, s3_endpoint):
         "part_size_bytes": "16MiB",
         "max_concurrent_parts": 8,
         "retries": 3,
-        "timeout_s": 120,
+        "timeout_s": 10,
+        "min_bytes_per_s": "2MiB",
     }
     _assert_committed(plugin, ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"])
     assert env.keys() == ["my-run/checkpoints/epoch=0-step=2.ckpt", "my-run/checkpoints/epoch=0-step=4.ckpt"]
     loaded = plugin.load_checkpoint("s3://my-bucket/my-run/checkpoints/epoch=0-step=4.ckpt", weights_only=True)
     assert loaded["global_step"] == 4
+    assert env.open_uploads() == []
+
+
+def test_tiered_config_against_a_local_s3_server(tmp_path, s3_endpoint):
+    env = fresh_bucket(s3_endpoint, "my-bucket")  # the bucket named in configs/tiered.yaml
+    tier = tmp_path / "nvme"
+    cli = _run_cli(tmp_path, "tiered.yaml", f"--trainer.plugins.init_args.local_tier={tier}")
+    plugin = _plugin(cli)
+    assert (plugin.config.local_tier, plugin.config.local_keep) == (str(tier), 2)
+    assert [s.replication for s in plugin.stats] == ["committed", "committed"]
+    assert env.keys() == ["my-run/checkpoints/epoch=0-step=2.ckpt", "my-run/checkpoints/epoch=0-step=4.ckpt"]
+    (local,) = tier.iterdir()
+    for name in ("epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"):
+        assert (local / name).read_bytes() == env.read(f"my-run/checkpoints/{name}")
     assert env.open_uploads() == []

@@ -9,7 +9,13 @@ from __future__ import annotations
 #: Every run seeds Lightning, the model and the synthetic tokens with it: each method trains on the same data.
 SEED = 1234
 #: The checkpointing methods, in the order of the report (see :mod:`lightning_datastates.benchmark.methods`).
-METHODS = ("none", "torch", "async", "dcp", "datastates")
+METHODS = ("none", "torch", "async", "dcp", "datastates", "tiered")
+#: The methods a run compares unless told otherwise: ``tiered`` joins them only with a slow target (``--moto``, an
+#: ``s3://`` ``--dir``) or a ``--local-tier`` given. Without one its local tier and its target are directories of the
+#: same disk, so its row would show a second write of every checkpoint to that disk, a set-up nobody would choose.
+DEFAULT_METHODS = METHODS[:-1]
+#: Methods that write local paths only, with why: skipped (with that line printed) where the target is ``s3://``.
+LOCAL_ONLY = {"dcp": "torch.distributed.checkpoint's FileSystemWriter writes local paths only"}
 #: GPT shapes by approximate parameter count: (vocab, dim, layers, heads, seq_len, batch_size).
 MODELS: dict[str, tuple[int, int, int, int, int, int]] = {
     "3M": (4096, 256, 3, 4, 32, 2),

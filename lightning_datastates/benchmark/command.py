@@ -14,9 +14,18 @@ checkpoint's copy and flush phases, in ``--out``.
 ``--max-blocked-vs-sync R`` the exit status is 1 when DataStatesIO's median blocked time per checkpoint exceeds
 ``R`` times TorchCheckpointIO's in the same run (a ratio, never an absolute time: CI machines differ).
 
-:func:`main` runs on the main thread of the parent process: 1) :func:`~lightning_datastates.benchmark.runner.run_rounds`
-(one worker subprocess per method and round) 2) the report 3) the plot 4) the gate. In a worker (the hidden
-``--worker METHOD``) it hands over to :func:`~lightning_datastates.benchmark.worker.worker_main` instead.
+Tiered checkpoints: ``--dir s3://bucket/prefix`` checkpoints to S3 (the ``AWS_*`` variables say where and as whom),
+``--moto`` to moto's S3 server started for the run on a loopback port (a persistent tier slower than the local disk),
+and the method ``tiered`` (``DataStatesIO(local_tier=...)``, the local tier under ``--local-tier``) runs beside the
+single-tier ``datastates`` on that target; ``--resume`` times a load of its last checkpoint from each tier. Its gates
+``--max-train-vs-single``, ``--max-local-vs-raw`` and ``--min-repl-vs-raw`` are ratios too
+(:mod:`~lightning_datastates.benchmark.tiered_report`).
+
+:func:`main` runs on the main thread of the parent process: 1) the places
+(:func:`~lightning_datastates.benchmark.targets.prepared_target`: the target, moto's server, the local tier)
+2) :func:`~lightning_datastates.benchmark.runner.run_rounds` (one worker subprocess per method and round) 3) the report
+4) the plot 5) the gates. In a worker (the hidden ``--worker METHOD``) it hands over to
+:func:`~lightning_datastates.benchmark.worker.worker_main` instead.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from lightning_datastates.benchmark.choices import METHODS, MODELS
+from lightning_datastates.benchmark.choices import DEFAULT_METHODS, LOCAL_ONLY, METHODS, MODELS
 from lightning_datastates.benchmark.options import datastates_options
 from lightning_datastates.benchmark.plot import plot_timeline
 from lightning_datastates.benchmark.report import (
@@ -36,6 +45,8 @@ from lightning_datastates.benchmark.report import (
     write_reports,
 )
 from lightning_datastates.benchmark.runner import run_rounds
+from lightning_datastates.benchmark.targets import is_s3, prepared_target
+from lightning_datastates.benchmark.tiered_report import add_tier_gates, check_tier_gates, tier_gates
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,9 +59,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, help="training steps per run (default 16; 12 with --short)")
     parser.add_argument("--every", type=int, help="checkpoint every N steps (default 4; 3 with --short)")
     parser.add_argument("--rounds", type=int, help="repeats; figures are medians over them (default 3; 1 --short)")
-    parser.add_argument("--dir", help="target directory for checkpoints (default: a new temporary directory)")
+    parser.add_argument(
+        "--dir",
+        help="where checkpoints go: a directory or s3://bucket/prefix (default: a new temporary directory; "
+        "with --moto s3://datastates-bench/run-<time>)",
+    )
+    parser.add_argument(
+        "--moto",
+        action="store_true",
+        help="checkpoint to moto's S3 server, started on a free loopback port for the run: a persistent tier slower "
+        "than the local disk (needs pip install 'moto[server]' s3fs boto3)",
+    )
+    parser.add_argument(
+        "--local-tier",
+        metavar="DIR",
+        help="the local tier of the tiered method (default: a new temporary directory; TMPDIR picks the disk)",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="tiered: also time a load of the last checkpoint from the local tier and from the persistent one",
+    )
     parser.add_argument("--out", default=".", help="where benchmark.md/.json/.png go (default: current directory)")
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {METHODS}")
+    parser.add_argument(
+        "--methods",
+        help=f"comma-separated subset of {', '.join(METHODS)} (default: all but tiered, which joins them with "
+        "--moto, an s3:// --dir or a --local-tier)",
+    )
     parser.add_argument("--accelerator", default="auto", help="Lightning accelerator (default auto)")
     parser.add_argument("--short", action="store_true", help="tiny model, few steps: a CI regression check")
     parser.add_argument(
@@ -58,6 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         help="exit 1 if DataStatesIO's median blocked time per checkpoint exceeds this times TorchCheckpointIO's",
     )
+    add_tier_gates(parser)
     parser.add_argument(
         "--datastates",
         action="append",
@@ -76,15 +112,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.steps = args.steps or (12 if args.short else 16)
     args.every = args.every or (3 if args.short else 4)
     args.rounds = args.rounds or (1 if args.short else 3)
-    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    slow_target = args.moto or is_s3(args.dir) or args.local_tier is not None
+    listed = args.methods or ",".join(METHODS if slow_target else DEFAULT_METHODS)
+    args.methods = [m.strip() for m in listed.split(",") if m.strip()]
     unknown = set(args.methods) - set(METHODS)
     if unknown:
         parser.error(f"--methods: unknown {sorted(unknown)}; choose from {', '.join(METHODS)}")
+    if args.moto and args.dir and not is_s3(args.dir):
+        parser.error(f"--moto saves to s3://: --dir must be s3://bucket/prefix or left out, got {args.dir}")
+    if (args.moto or is_s3(args.dir)) and not args.worker:
+        for method in [m for m in args.methods if m in LOCAL_ONLY]:
+            print(f"benchmark: {method} skipped at an s3:// target: {LOCAL_ONLY[method]}")
+            args.methods.remove(method)
     if not 1 <= args.every <= args.steps:
         parser.error(f"--every must be between 1 and --steps ({args.steps}), got {args.every}")
     datastates_options(args.datastates)  # fail early on a malformed pair
     if args.max_blocked_vs_sync is not None and not {"torch", "datastates"} <= set(args.methods):
         parser.error("--max-blocked-vs-sync needs the methods torch and datastates")
+    check_tier_gates(parser, args)
     return args
 
 
@@ -96,9 +141,13 @@ def main(argv: list[str] | None = None) -> int:
 
         return worker_main(args)
     os.makedirs(args.out, exist_ok=True)
-    measured = run_rounds(args)
+    with prepared_target(args, tiered="tiered" in args.methods) as target:
+        measured = run_rounds(args, target)
     rounds = [
-        {method: summarize_run(run, measured.raw_of_round(index)) for method, run in runs.items()}
+        {
+            method: summarize_run(run, measured.raw_of_round(index), measured.local_raw_of_round(index))
+            for method, run in runs.items()
+        }
         for index, runs in enumerate(measured.runs)
     ]
     table = combine(rounds)
@@ -108,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     png = os.path.join(args.out, "benchmark.png")
     if not args.no_plot and plot_timeline(measured.runs[-1] if measured.runs else {}, png):
         print(f"timeline: {png}")
+    passed = tier_gates(table, args)
     if args.max_blocked_vs_sync is not None and not blocked_gate(table, args.max_blocked_vs_sync):
         return 1
-    return 0
+    return 0 if passed else 1

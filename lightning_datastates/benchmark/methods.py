@@ -13,6 +13,9 @@ method         what saves
                where torch closes it after staging, as 2.11 does) and ``FileSystemWriter(sync_files=True)``;
                training waits for staging to finish before the optimizer step
 ``datastates`` :class:`~lightning_datastates.DataStatesIO` with its defaults
+``tiered``     the same with ``local_tier``: each checkpoint committed on a local directory first, then copied to
+               the target behind training (``durable`` is the local commit; ``persistent_durable`` the commit at
+               the target)
 =============  ====================================================================================================
 
 Everything here runs in a worker subprocess (:mod:`lightning_datastates.benchmark.worker`): ``save_checkpoint`` on
@@ -112,8 +115,9 @@ class BenchPipeline(CheckpointPipeline):
 
 
 class BenchDataStatesIO(DataStatesIO):
-    """DataStatesIO, timed; ``wait_durable`` (a self-test knob) makes each save wait for its commit, to prove the
-    blocked-time gate fails when the lazy path is broken.
+    """DataStatesIO (with ``local_tier`` among the ``options``: the ``tiered`` method), timed; ``wait_durable`` (a
+    self-test knob) makes each save wait for its commit, to prove the blocked-time gate fails when the lazy path is
+    broken.
 
     1) :meth:`save_checkpoint` and the pipeline's barrier (:class:`BenchPipeline`) on the training thread
     2) :meth:`finish_records` after ``fit``.
@@ -139,25 +143,39 @@ class BenchDataStatesIO(DataStatesIO):
         return BenchPipeline(config, self.recorder)
 
     def finish_records(self) -> None:
-        """Copy the engine's per-checkpoint figures into the records (after fit)."""
+        """Wait for every copy to the persistent tier (``tiered``), then copy the engine's per-checkpoint figures into
+        the records (after fit)."""
+        self.drain()
         for stats in self.stats:
             record = self._records.get(id(stats))
             if record is None:
                 continue
-            if stats.state != "committed":
-                raise RuntimeError(f"DataStatesIO checkpoint {stats.path} ended {stats.state}")
+            if stats.state != "committed" or stats.replication == "failed":
+                raise RuntimeError(f"DataStatesIO checkpoint {stats.path} ended {stats.state} ({stats.replication})")
             record["barrier_s"] = stats.barrier_wait_s
             record["copy_end"] = stats.started_at + (stats.copy_s or 0.0)
             record["written"] = record["durable"] = stats.started_at + (stats.durable_s or 0.0)
+            if stats.replication is not None:
+                # tiered: ``path`` is the local copy (local_keep may have removed it by now), ``durable`` its commit.
+                record.update(local_path=stats.path, bytes=stats.total_bytes, replication=stats.replication,
+                              replicated_bytes=stats.replicated_bytes)  # fmt: skip
+                durable_s = stats.persistent_durable_s
+                record["persistent_durable"] = None if durable_s is None else stats.started_at + durable_s
 
 
 def plugin_for(
-    method: str, recorder: Recorder, fsyncer: Fsyncer, wait_durable: bool = False, options: dict[str, Any] | None = None
+    method: str,
+    recorder: Recorder,
+    fsyncer: Fsyncer,
+    wait_durable: bool = False,
+    options: dict[str, Any] | None = None,
+    local_tier: str | None = None,
 ) -> tuple[CheckpointIO | None, list[Callback]]:
     """The timed CheckpointIO of ``method`` (None for ``none``) and the callbacks it needs beside ``ModelCheckpoint``.
 
-    ``wait_durable`` and ``options`` (keyword arguments of :class:`~lightning_datastates.DataStatesIO`) apply to
-    ``datastates`` only.
+    ``wait_durable`` applies to ``datastates`` only, ``options`` (keyword arguments of
+    :class:`~lightning_datastates.DataStatesIO`) to ``datastates`` and ``tiered``, ``local_tier`` (required) to
+    ``tiered``.
     """
     if method == "none":
         return None, []
@@ -170,4 +188,8 @@ def plugin_for(
         return dcp, [DcpBarrier(dcp)]
     if method == "datastates":
         return BenchDataStatesIO(recorder, wait_durable, **(options or {})), []
+    if method == "tiered":
+        if local_tier is None:
+            raise ValueError("the tiered method needs a local tier")
+        return BenchDataStatesIO(recorder, False, **{**(options or {}), "local_tier": local_tier}), []
     raise ValueError(f"unknown method {method!r}; choose from {METHODS}")

@@ -33,6 +33,9 @@ Columns of the report (one row per method; each figure is the median over ``--ro
   and optimizer in units of one checkpoint.
 - ``extra GPU GB`` (CUDA only): ``torch.cuda.max_memory_allocated`` - that of ``none``.
 
+The ``tiered`` method's row is read the same way, its flush being the one to its local tier (``durable``: the local
+commit; ``vs raw``: against the raw write of the local tier); what it does beyond, the copies to the target, is in a
+second table, "Tiers" (:mod:`~lightning_datastates.benchmark.tiered_report`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import sys
 from typing import Any
 
 from lightning_datastates.benchmark.runner import Measurements
+from lightning_datastates.benchmark.tiered_report import pair_with_single, tier_figures, tiers_markdown
 
 _MB = 1e6
 
@@ -52,21 +56,21 @@ _MB = 1e6
 def quiet_step_overhead(steps: list[list[float]], checkpoints: list[dict[str, Any]]) -> float | None:
     """The training loop's time over ``len(steps)`` times the median *quiet* step, minus 1; None without 2 quiet steps.
 
-    A quiet step overlaps no checkpoint activity (save call, copy or flush). Measured inside one run, this
-    overhead does not move when other processes load the machine differently from one run to the next.
+    A quiet step overlaps no checkpoint activity (save call, copy, flush, or the copy to the persistent tier of
+    ``tiered``). Measured inside one run, this overhead does not move when other processes load the machine
+    differently from one run to the next.
     """
-    busy = [
-        (c["start"], max(c["start"] + c["call_s"], c.get("copy_end") or 0.0, c.get("durable") or 0.0))
-        for c in checkpoints
-    ]
+    ends = ("copy_end", "durable", "persistent_durable")
+    busy = [(c["start"], max(c["start"] + c["call_s"], *(c.get(key) or 0.0 for key in ends))) for c in checkpoints]
     quiet = [b - a for a, b in steps if not any(a < end and start < b for start, end in busy)]
     if len(quiet) < 2 or not steps:
         return None
     return (steps[-1][1] - steps[0][0]) / (statistics.median(quiet) * len(steps)) - 1
 
 
-def summarize_run(run: dict[str, Any], raw_bps: float | None) -> dict[str, Any]:
-    """One method's figures for one round (see the module docstring for their meaning)."""
+def summarize_run(run: dict[str, Any], raw_bps: float | None, local_raw_bps: float | None = None) -> dict[str, Any]:
+    """One method's figures for one round (see the module docstring for their meaning): ``raw_bps`` is the
+    target's raw throughput in that round, ``local_raw_bps`` the local tier's (``tiered`` only)."""
     row: dict[str, Any] = {"train_s": run["train_s"], "fit_s": run["fit_s"], "peak_rss_bytes": run["peak_rss_bytes"]}
     row["peak_gpu_bytes"] = run["peak_gpu_bytes"]
     cks = run["checkpoints"]
@@ -88,10 +92,13 @@ def summarize_run(run: dict[str, Any], raw_bps: float | None) -> dict[str, Any]:
     if fsyncs:
         row["fsync_p50_s"] = statistics.median(fsyncs)
     rates = [c["bytes"] / (c["durable"] - c["flush_start"]) for c in cks if c.get("durable") is not None]
+    tiers = tier_figures(run, raw_bps, local_raw_bps)
+    flushed_to = local_raw_bps if tiers else raw_bps  # the flush of tiered is the one to its local tier
     if rates:
         row["flush_Bps"] = statistics.median(rates)
-        if raw_bps:
-            row["flush_vs_raw"] = row["flush_Bps"] / raw_bps
+        if flushed_to:
+            row["flush_vs_raw"] = row["flush_Bps"] / flushed_to
+    row.update(tiers)
     return row
 
 
@@ -117,6 +124,7 @@ def combine(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]
                 row["extra_rss_per_ckpt"] = (row["peak_rss_bytes"] - none["peak_rss_bytes"]) / row["bytes"]
             if row.get("peak_gpu_bytes") is not None and none.get("peak_gpu_bytes") is not None:
                 row["extra_gpu_bytes"] = row["peak_gpu_bytes"] - none["peak_gpu_bytes"]
+    pair_with_single(rounds, table)
     return table
 
 
@@ -146,22 +154,42 @@ def markdown(table: dict[str, dict[str, Any]], header: str) -> str:
         if gpu:
             cells.append(f(row, "extra_gpu_bytes", ".2f", 1e-9))
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    tiers = tiers_markdown(table)
+    return "\n".join(lines) + "\n" + ("\n" + tiers if tiers else "")
 
 
 def header_line(args: argparse.Namespace, measured: Measurements, table: dict[str, dict[str, Any]]) -> str:
-    """The line above the table: the model, the schedule, the checkpoint size, the raw throughput, the machine."""
+    """The line above the table: the model, the schedule, the checkpoint size, the raw throughput of the target (and
+    of the local tier), the machine."""
     sizes = [row["bytes"] for row in table.values() if row.get("bytes")]
-    raw, raw_by_kind = measured.raw_write_Bps, measured.raw_write_Bps_by_kind
-    raw_text = "-"
-    if raw:
-        kinds = ", ".join(f"{k} {statistics.median(v) / _MB:.0f}" for k, v in raw_by_kind.items() if v)
-        raw_text = f"{statistics.median(raw) / _MB:.0f} MB/s (the faster of {kinds}: 'vs raw' is against it)"
+    if measured.s3_transfer:
+        part, concurrency = measured.s3_transfer
+        raw = f"raw upload to the target ({part / 2**20:g} MiB parts, {concurrency} at once, boto3 from memory)"
+    else:
+        raw = "raw write+fsync of the target"
+    tiered = "tiered" in table
+    used_by = "'vs raw' and 'repl vs raw' are" if tiered else "'vs raw' is"
+    raw += ": " + _raw_text(measured.raw_write_Bps, measured.raw_write_Bps_by_kind, used_by)
+    if measured.local_raw_write_Bps:
+        by_kind = measured.local_raw_write_Bps_by_kind
+        raw += "; raw write+fsync of the local tier: " + _raw_text(
+            measured.local_raw_write_Bps, by_kind, "'local vs raw' and tiered's 'vs raw' are"
+        )
     return (
         f"GPT {args.model} ({measured.params / 1e6:.1f}M parameters), {args.steps} steps, checkpoint every "
         f"{args.every} ({(statistics.median(sizes) if sizes else 0) / 1e9:.2f} GB), median of {args.rounds} round(s); "
-        f"raw write+fsync of the target: {raw_text}; {os.cpu_count()} CPUs, 1 training thread"
+        f"{raw}; {os.cpu_count()} CPUs, 1 training thread"
     )
+
+
+def _raw_text(fastest: list[float], by_kind: dict[str, list[float]], used_by: str) -> str:
+    """``1073 MB/s (the faster of buffered 638, direct 1073: 'vs raw' is against it)``, or ``-`` (``used_by``: who
+    is)."""
+    if not fastest:
+        return "-"
+    kinds = ", ".join(f"{k} {statistics.median(v) / _MB:.0f}" for k, v in by_kind.items() if v)
+    which = f"the faster of {kinds}" if len(by_kind) > 1 else kinds
+    return f"{statistics.median(fastest) / _MB:.0f} MB/s ({which}: {used_by} against it)"
 
 
 def write_reports(
@@ -175,7 +203,10 @@ def write_reports(
     last_runs = measured.runs[-1] if measured.runs else {}
     with open(os.path.join(out, "benchmark.json"), "w") as js:
         json.dump({"args": vars(args), "raw_write_Bps": measured.raw_write_Bps,
-                   "raw_write_Bps_by_kind": measured.raw_write_Bps_by_kind, "table": table, "rounds": rounds,
+                   "raw_write_Bps_by_kind": measured.raw_write_Bps_by_kind,
+                   "local_raw_write_Bps": measured.local_raw_write_Bps,
+                   "local_raw_write_Bps_by_kind": measured.local_raw_write_Bps_by_kind,
+                   "s3_transfer": measured.s3_transfer, "table": table, "rounds": rounds,
                    "last_round_runs": last_runs}, js, indent=1)  # fmt: skip
 
 

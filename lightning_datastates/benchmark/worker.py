@@ -28,7 +28,9 @@ from lightning_datastates._gpt import GPT
 from lightning_datastates.benchmark.choices import MODELS, SEED
 from lightning_datastates.benchmark.methods import BenchDataStatesIO, plugin_for
 from lightning_datastates.benchmark.options import datastates_options
-from lightning_datastates.benchmark.recording import Fsyncer, Recorder, StepClock
+from lightning_datastates.benchmark.recording import Fsyncer, Recorder, StepClock, is_local
+from lightning_datastates.benchmark.resume import time_resume
+from lightning_datastates.benchmark.targets import is_s3
 
 
 def _make_model(model: str) -> GPT:
@@ -55,12 +57,16 @@ def _trainer(steps: int, callbacks: list[Callback], plugin: Any | None, accelera
 
 
 def run_method(method: str, model: str, steps: int, every: int, directory: str, accelerator: str,
-               wait_durable: bool = False, options: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+               wait_durable: bool = False, options: dict[str, Any] | None = None, local_tier: str | None = None,
+               resume: bool = False) -> dict[str, Any]:  # fmt: skip
     """Worker: train ``model`` for ``steps`` steps under ``method`` (one of
     :data:`~lightning_datastates.benchmark.choices.METHODS`); the measurements.
 
-    Checkpoints go to ``directory`` through ``ModelCheckpoint(every_n_train_steps=every, save_top_k=-1)``.
-    ``options`` are keyword arguments of :class:`~lightning_datastates.DataStatesIO` (method ``datastates``).
+    Checkpoints go to ``directory`` (a directory or an ``s3://`` prefix) through
+    ``ModelCheckpoint(every_n_train_steps=every, save_top_k=-1)``. ``options`` are keyword arguments of
+    :class:`~lightning_datastates.DataStatesIO` (methods ``datastates`` and ``tiered``); ``local_tier`` is the local
+    tier of ``tiered``, and ``resume`` times loads of its last checkpoint from each tier after the fit
+    (:mod:`~lightning_datastates.benchmark.resume`).
     """
     torch.set_num_threads(1)
     for name in ("lightning.pytorch", "lightning.fabric", "torch.distributed"):
@@ -80,7 +86,7 @@ def run_method(method: str, model: str, steps: int, every: int, directory: str, 
     gpt = _make_model(model)
     recorder = Recorder()
     fsyncer = Fsyncer()
-    plugin, method_callbacks = plugin_for(method, recorder, fsyncer, wait_durable, options)
+    plugin, method_callbacks = plugin_for(method, recorder, fsyncer, wait_durable, options, local_tier)
     callbacks: list[Callback] = [StepClock(recorder), *method_callbacks]
     if plugin is not None:
         callbacks.append(ModelCheckpoint(dirpath=directory, every_n_train_steps=every, save_top_k=-1))
@@ -96,10 +102,15 @@ def run_method(method: str, model: str, steps: int, every: int, directory: str, 
         plugin.finish_records()
     rss = peak_rss_bytes()
     for record in recorder.checkpoints:
-        record["bytes"] = _size_of(record["path"])
-        for key in ("start", "copy_end", "flush_start", "written", "durable"):
+        if "bytes" not in record:  # tiered: set from the plugin's own figures (its local copies may be gone)
+            record["bytes"] = _size_of(record["path"])
+        for key in ("start", "copy_end", "flush_start", "written", "durable", "persistent_durable"):
             if record.get(key) is not None:
                 record[key] -= started
+    resumed = None
+    if resume and local_tier is not None and recorder.checkpoints:
+        last = recorder.checkpoints[-1]
+        resumed = time_resume(last["path"], last["local_path"], local_tier, options or {})
     return {
         "method": method,
         "params": sum(p.numel() for p in gpt.parameters()),
@@ -110,6 +121,8 @@ def run_method(method: str, model: str, steps: int, every: int, directory: str, 
         "checkpoints": recorder.checkpoints,
         "peak_rss_bytes": rss,
         "peak_gpu_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+        "s3_transfer": _s3_transfer(directory, options or {}),
+        "resume": resumed,
     }
 
 
@@ -124,6 +137,8 @@ def worker_main(args: argparse.Namespace) -> int:
         args.accelerator,
         args.selftest_wait_durable,
         datastates_options(args.datastates),
+        args.local_tier,
+        args.resume,
     )
     with open(args.result, "w") as out:
         json.dump(result, out)
@@ -177,7 +192,27 @@ def process_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _s3_transfer(directory: str, options: dict[str, Any]) -> list[int] | None:
+    """At an ``s3://`` target: the part size and the parts in flight of the plugin's S3 writer with these
+    ``options`` (the parent's raw upload uses the same); else None."""
+    if not is_s3(directory):
+        return None
+    from lightning_datastates.storage.s3.writer import S3Writer  # s3fs: only at an s3:// target
+
+    writer = S3Writer.from_storage_options(options.get("storage_options"))
+    return list(writer.copy_shape(writer.part_size_bytes, writer.max_concurrent_parts))
+
+
 def _size_of(path: str) -> int:
+    if not is_local(path):
+        import fsspec  # comes with Lightning; the s3fs behind it reads the AWS_* variables
+
+        fs, stripped = fsspec.core.url_to_fs(path)
+        fs.invalidate_cache()  # the listing cached before the save does not have the new file
+        try:
+            return int(fs.du(stripped))
+        except FileNotFoundError:
+            return 0
     if os.path.isdir(path):
         return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
     return os.path.getsize(path) if os.path.exists(path) else 0

@@ -30,8 +30,11 @@ wrapper runs where Lightning calls the method, on the training thread of every r
 
 from __future__ import annotations
 
+import os
+import re
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fsspec.implementations.local import LocalFileSystem
@@ -51,19 +54,28 @@ if TYPE_CHECKING:
 _WRAPPED = "_lightning_datastates_resolves_last"
 
 
-def resolve_last_checkpoint(prepare: Callable[[Trainer], float | None]) -> None:
+@dataclass(frozen=True)
+class LastOptions:
+    """What the plugin tells the resolution of ``"last"``: its ``stale_after_s`` (``max_age_s``), and with a local tier
+    the local copies of a persistent directory's checkpoints (persistent path -> the copy's modification time)."""
+
+    max_age_s: float
+    local_copies: Callable[[str], dict[str, float]] | None = None
+
+
+def resolve_last_checkpoint(prepare: Callable[[Trainer], LastOptions | None]) -> None:
     """Wrap ``_CheckpointConnector._parse_ckpt_path`` (once per process) so that ``ckpt_path="last"`` resumes from a
     whole checkpoint for the Trainers that use the plugin (see the module docstring). ``prepare(trainer)`` runs first:
     for such a Trainer it readies its ``ModelCheckpoint``s (their file systems, with the plugin's options) and gives
-    the plugin's ``stale_after_s``; None for any other Trainer, left to Lightning."""
+    the plugin's :class:`LastOptions`; None for any other Trainer, left to Lightning."""
     original = _CheckpointConnector._parse_ckpt_path
     if getattr(original, _WRAPPED, False):
         return
 
     def parse_ckpt_path(self: Any, state_fn: Any, ckpt_path: Any, model_provided: bool, model_connected: bool) -> Any:
-        max_age_s = prepare(self.trainer) if ckpt_path == "last" else None
-        if max_age_s is not None:
-            found = newest_last_checkpoint(self.trainer, max_age_s)
+        options = prepare(self.trainer) if ckpt_path == "last" else None
+        if options is not None:
+            found = newest_last_checkpoint(self.trainer, options.max_age_s, options.local_copies)
             if found is not NO_CANDIDATE:
                 if found is None:
                     fn = state_fn.value
@@ -85,14 +97,21 @@ class _NoCandidate:
 NO_CANDIDATE: Any = _NoCandidate()
 
 
-def newest_last_checkpoint(trainer: Trainer, max_age_s: float) -> Any:
+def newest_last_checkpoint(
+    trainer: Trainer, max_age_s: float, local_copies: Callable[[str], dict[str, float]] | None = None
+) -> Any:
     """The newest whole one of the Trainer's last checkpoints (``last.ckpt`` and its versions in each
     ``ModelCheckpoint``'s directory, and each ``OnExceptionCheckpoint``'s file), with its protocol; where some exist
     but none is whole, the newest whole checkpoint in those directories (None if there is none either);
     :data:`NO_CANDIDATE` if there is no last checkpoint at all. ``max_age_s``: the plugin's ``stale_after_s``, which
-    tells whether the cleanup at setup will complete a directory whose switch a dead run left half-way."""
+    tells whether the cleanup at setup will complete a directory whose switch a dead run left half-way.
+
+    With ``local_copies`` (a local tier), a checkpoint counts where either tier holds it, dated by its newest copy: a
+    last checkpoint durable on the local tier whose replication a dead run did not finish is found all the same (its
+    persistent path is returned; the plugin loads its local copy)."""
     candidates: dict[str, Any] = {}
     directories: dict[str, Any] = {}
+    local: dict[str, float] = {}  # persistent path -> its local copy's modification time
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         path = getattr(callback, "ckpt_path", None) if isinstance(callback, OnExceptionCheckpoint) else None
         if path:  # as Lightning reads it
@@ -107,10 +126,16 @@ def newest_last_checkpoint(trainer: Trainer, max_age_s: float) -> Any:
                 directories[str(callback.dirpath)] = fs
             for path in callback._find_last_checkpoints(trainer):
                 candidates[_with_protocol(fs, path)] = fs
-    found = {path: fs for path, fs in candidates.items() if _exists(fs, path)}
+            if local_copies is not None and callback.dirpath is not None:
+                copies = local_copies(str(callback.dirpath))
+                local.update(copies)
+                for path in copies:
+                    if _is_last_name(callback, path):
+                        candidates[path] = fs
+    found = {path: fs for path, fs in candidates.items() if path in local or _exists(fs, path)}
     if not found:
         return NO_CANDIDATE
-    newest = _newest(found, max_age_s)
+    newest = _newest(found, max_age_s, local)
     if newest is not None:
         return newest
     others = {
@@ -118,7 +143,8 @@ def newest_last_checkpoint(trainer: Trainer, max_age_s: float) -> Any:
         for directory, fs in directories.items()
         for entry in _checkpoints_in(fs, directory)
     }
-    newest = _newest(others, max_age_s)
+    others.update({path: directories.get(path.rsplit("/", 1)[0]) for path in local})
+    newest = _newest(others, max_age_s, local)
     if newest is not None:
         rank_zero_warn(
             f'ckpt_path="last": no last checkpoint is whole ({", ".join(sorted(found))}: a run died saving it); '
@@ -127,9 +153,26 @@ def newest_last_checkpoint(trainer: Trainer, max_age_s: float) -> Any:
     return newest
 
 
-def _newest(candidates: dict[str, Any], max_age_s: float) -> str | None:
-    dated = {path: stamp for path, fs in candidates.items() if (stamp := _modified_s(fs, path, max_age_s)) is not None}
+def _newest(candidates: dict[str, Any], max_age_s: float, local: dict[str, float] | None = None) -> str | None:
+    """The candidate last written, on either tier (``local``: local copies' times, by persistent path)."""
+    local = local or {}
+    dated = {}
+    for path, fs in candidates.items():
+        stamps = [local[path]] if path in local else []
+        if fs is not None and (stamp := _modified_s(fs, path, max_age_s)) is not None:
+            stamps.append(stamp)
+        if stamps:
+            dated[path] = max(stamps)
     return max(dated, key=lambda path: dated[path]) if dated else None
+
+
+def _is_last_name(callback: ModelCheckpoint, path: str) -> bool:
+    """Whether ``path`` is named as ``callback``'s last checkpoints are (``last.ckpt``, ``last-v1.ckpt``): the rule of
+    Lightning's ``ModelCheckpoint._find_last_checkpoints``."""
+    name = path.rstrip("/").rsplit("/", 1)[-1]
+    stem, extension = os.path.splitext(name)
+    pattern = rf"^{re.escape(callback.CHECKPOINT_NAME_LAST)}(-(\d+))?"
+    return extension == callback.FILE_EXTENSION and re.match(pattern, stem) is not None
 
 
 def _with_protocol(fs: Any, path: str) -> str:

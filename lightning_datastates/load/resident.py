@@ -137,11 +137,16 @@ class ResidentCache:
         self._free(to_free)
 
     # ------------------------------------------------------------------ loads
-    def lease(self, path: str) -> SegmentReader | None:
+    def lease(self, path: str, fingerprint: Hashable | None = None) -> SegmentReader | None:
         """A reader over the image of ``path`` if there is one and the file on storage is still the one it was
-        committed as; None otherwise. The image stays in the arena until the reader is closed."""
+        committed as; None otherwise. The image stays in the arena until the reader is closed.
+
+        With ``fingerprint`` (a reader of one version of the file, the local tier's replicator: the one it opened),
+        only the image committed as that version serves; another is left as it is."""
         with self._lock:
             image = self._published.get(path)
+            if image is not None and fingerprint is not None and image.fingerprint != fingerprint:
+                return None  # another version's image: not this reader's, and still good for loads
             if image is None or image.doomed:
                 self.counters.misses += 1
                 return None

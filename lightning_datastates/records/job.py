@@ -55,6 +55,20 @@ class SnapshotStats:
     arena_wait_s: float = 0.0  # the copy's wait for arena space held by earlier checkpoints (back-pressure)
     durable_s: float | None = None
     state: str = JobState.COPYING.value
+    # With a local tier (``DataStatesIO(local_tier=...)``): ``path`` is the local copy, ``durable_s`` its commit there,
+    # and these follow the copy at the persistent path. ``replication``: None without a local tier, else "pending",
+    # then "committed", "failed" or "cancelled"; ``persistent_durable_s`` from the save call until the persistent
+    # commit (set with "committed").
+    persistent_path: str | None = None
+    replicated_bytes: int = 0
+    persistent_durable_s: float | None = None
+    replication: str | None = None
+
+    @property
+    def final(self) -> bool:
+        """Whether nothing more will change for this checkpoint on any tier: committed, failed or cancelled, and
+        replicated (or not) where there is a local tier. Skipped saves are never final (nothing is written)."""
+        return self.durable_s is not None and self.replication != "pending"
 
     @property
     def blocked_s(self) -> float:
@@ -96,6 +110,10 @@ class SnapshotJob:
     settled: bool = False  # past its commit or abort: deferred removals no longer wait for it
     lock: threading.Lock = field(default_factory=threading.Lock)
     on_ready: Callable[[SnapshotJob], None] | None = None
+    #: Called once on the writer thread after the commit or abort (``state`` and ``stats`` final), before the job
+    #: finishes: so before a newer save of the same path can replace the file (the local tier's replicator opens the
+    #: committed file here).
+    on_settled: Callable[[SnapshotJob], None] | None = None
     write_through: WriteThrough | None = None  # lazy chunks writers may take straight from the sources
 
     @property

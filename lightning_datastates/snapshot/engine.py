@@ -163,6 +163,8 @@ class SnapshotEngine:
         writer: StorageWriter,
         lazy: LazyPredicate | None,
         awaits_commit: bool = False,
+        on_settled: Callable[[SnapshotJob], None] | None = None,
+        persistent_path: str | None = None,
     ) -> SnapshotStats:
         """Snapshot ``checkpoint`` for ``path`` and return once training may go on.
 
@@ -175,7 +177,9 @@ class SnapshotEngine:
         backwards meanwhile, so that little is left to copy when the barrier comes. With ``awaits_commit`` the caller
         changes nothing before this checkpoint is committed (no barrier comes first): then the copier leaves every
         such chunk to the writers, and the checkpoint is written without any copy. Such a save is never skipped by
-        ``on_arena_full="skip"``.
+        ``on_arena_full="skip"``. ``on_settled`` becomes the job's hook (see :class:`SnapshotJob`): called on a writer
+        thread once the file is committed or aborted; never for a skipped save. ``persistent_path``: ``path`` is the
+        local copy of that checkpoint, replicated there after its commit (the stats say so from the start).
 
         Raises:
             CheckpointCaptureError: the checkpoint cannot be pickled (nothing was written).
@@ -183,7 +187,17 @@ class SnapshotEngine:
         """
         started_at = time.perf_counter()
         layout, storages = self._layouts.plan(checkpoint)
-        return self.capture_planned(layout, storages, path, writer, lazy, awaits_commit, started_at)
+        return self.capture_planned(
+            layout,
+            storages,
+            path,
+            writer,
+            lazy,
+            awaits_commit,
+            started_at,
+            on_settled=on_settled,
+            persistent_path=persistent_path,
+        )
 
     def capture_planned(
         self,
@@ -195,6 +209,8 @@ class SnapshotEngine:
         awaits_commit: bool = False,
         started_at: float | None = None,
         serve_loads: bool = True,
+        on_settled: Callable[[SnapshotJob], None] | None = None,
+        persistent_path: str | None = None,
     ) -> SnapshotStats:
         """:meth:`capture` of a file whose layout the caller planned: ``layout``, and ``storages`` indexed by its
         record keys (the shard files of a distributed checkpoint, :mod:`~lightning_datastates.sharded`).
@@ -231,9 +247,17 @@ class SnapshotEngine:
                 sources=storages,
                 eager_chunks=plan_chunks((r for r in layout.records if r.key in eager_keys), chunk_bytes, phase_bytes),
                 marks=self._copiers.marks(devices),
-                stats=SnapshotStats(path, layout.total_bytes, layout.payload_bytes, started_at),
+                stats=SnapshotStats(
+                    path,
+                    layout.total_bytes,
+                    layout.payload_bytes,
+                    started_at,
+                    persistent_path=persistent_path,
+                    replication=None if persistent_path is None else "pending",
+                ),
                 outstanding=2,  # the copy, and the metadata write
                 on_ready=data_path.writers.schedule_commit,
+                on_settled=on_settled,
             )
         except BaseException:
             session.abort()  # nothing was scheduled: leave no temporary file behind

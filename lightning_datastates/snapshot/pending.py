@@ -61,6 +61,22 @@ class PendingCommit:
     successor: Any = None  # never superseded: commits of one directory land in order
 
 
+@dataclass(eq=False)
+class PendingReplication(PendingCommit):
+    """A checkpoint written to the local tier (``local_tier``), registered under its persistent path until its copy
+    there is committed (:mod:`~lightning_datastates.tiered`): waits, removals held back and failures of the persistent
+    path go through it as through any pending save. Registered with :meth:`PendingCheckpoints.register_commit` and
+    finished by the replicator thread, which sets ``state`` and ``error`` first.
+
+    ``cancel_requested`` (set by :meth:`PendingCheckpoints.abandon`, or by the replicator when a newer copy of the same
+    file became durable locally): the replicator stops between windows and aborts the upload. ``keep_marker``: the
+    local copy stays marked as not replicated, for the next run (set by an abandon).
+    """
+
+    cancel_requested: bool = False
+    keep_marker: bool = False
+
+
 def flush_error(entry: SnapshotJob | PendingCommit) -> CheckpointFlushError:
     """The error to raise for a failed ``entry``, its cause chained."""
     if isinstance(entry.error, CheckpointFlushError):
@@ -159,11 +175,16 @@ class PendingCheckpoints:
             job.finished.wait()
 
     def cancel_path(self, path: str) -> None:
-        """Drop the engine's pending checkpoint of ``path`` (or let it finish if it is already committing) and wait; a
-        sharded directory's commit is never cancelled (a removal of it is held back behind it instead)."""
+        """Drop the engine's pending checkpoint of ``path`` (or let it finish if it is already committing) and wait;
+        a replication to the persistent ``path`` is asked to stop, not waited for; a sharded directory's commit is
+        never cancelled (a removal of it is held back behind it instead)."""
         with self.lock:
             job = self._latest_by_path.get(path)
-        if isinstance(job, SnapshotJob) and not job.finished.is_set():
+        if isinstance(job, PendingReplication):
+            # Not waited for: it ends when its replicator reaches it, maybe behind another file's copy; a removal
+            # held back behind it (defer_removal) runs once it has.
+            job.cancel_requested = True
+        elif isinstance(job, SnapshotJob) and not job.finished.is_set():
             job.cancel_requested = True
             job.finished.wait()
 
@@ -239,6 +260,9 @@ class PendingCheckpoints:
             for entry in entries:
                 if isinstance(entry, SnapshotJob):
                     entry.cancel_requested = True
+                elif isinstance(entry, PendingReplication):
+                    # Its upload is aborted; the local copy stays, marked, and the next run replicates it.
+                    entry.cancel_requested = entry.keep_marker = True
             self._abandoned.update((id(entry), entry) for entry in entries)
             self._abandoned_since_last_capture = True
             kept = sorted(self._deferred_removals)
@@ -275,7 +299,11 @@ class PendingCheckpoints:
     # ------------------------------------------------------------------ writer and committer threads
     def finish(self, job: SnapshotJob | PendingCommit) -> None:
         """``job`` is committed, failed or cancelled (its state set): carry out the removals it was the last to hold
-        back, deregister it, let waiters through, and let the next save of its path commit."""
+        back, deregister it, let waiters through, and let the next save of its path commit. A second call for the same
+        entry does nothing (an entry ended early on the training thread, whose own thread then ends it too)."""
+        with self.lock:
+            if job.finished.is_set() or job not in self.active:
+                return
         for path, remove, done in self._settle_removals(job):
             try:
                 remove()

@@ -127,6 +127,12 @@ class StorageWriter(ABC):
         with self.open_read(path) as stream:
             return stream.read()
 
+    def copy_shape(self, window_bytes: int, streams: int) -> tuple[int, int]:
+        """How a copy of a whole file into this backend is best cut (the local tier's replication): bytes per
+        ``write_range`` and calls in flight at once, given the caller's defaults. The default keeps them; a backend
+        whose sessions transfer fixed pieces overrides it (S3: one part per call, ``max_concurrent_parts`` at once)."""
+        return window_bytes, streams
+
     def fingerprint(self, path: str) -> Hashable | None:
         """A cheap token that changes whenever the committed file at ``path`` is replaced or changed (metadata
         only, no data read); None where this backend cannot tell (then a copy held in memory is never served in

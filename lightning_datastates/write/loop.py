@@ -232,6 +232,11 @@ class WriteLoop:
         job.stats.durable_s = time.perf_counter() - job.stats.started_at
         if job.error is not None:
             log.debug("lightning_datastates: writing %s failed", job.path, exc_info=job.error)
+        if job.on_settled is not None:
+            try:
+                job.on_settled(job)
+            except Exception:
+                log.exception("lightning_datastates: after writing %s", job.path)
         self._finish(job)
 
 

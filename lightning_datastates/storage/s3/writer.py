@@ -128,6 +128,11 @@ class S3Writer(StorageWriter):
         )
 
     # ------------------------------------------------------------------ writing
+    def copy_shape(self, window_bytes: int, streams: int) -> tuple[int, int]:
+        """One part per ``write_range`` (uploaded in place from the caller's buffer), ``max_concurrent_parts`` at
+        once: each call returns once its part is stored, so fewer calls in flight would leave the link idle."""
+        return self.part_size_bytes, self.max_concurrent_parts
+
     def begin(self, path: str, total_bytes: int) -> S3WriteSession:
         """Plan the parts and, for a file of more than one part, create the multipart upload and start writing its
         marker.
