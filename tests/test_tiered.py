@@ -26,7 +26,7 @@ from lightning_datastates.plugin import pipeline_of
 from lightning_datastates.records.leftovers import host_tag
 from lightning_datastates.snapshot.engine import SnapshotEngine
 from lightning_datastates.storage.local import LocalWriter
-from lightning_datastates.tiered.layout import REPLICATE_SUFFIX, TARGET_NAME
+from lightning_datastates.tiered.layout import REPLICATE_SUFFIX, TARGET_NAME, TierLayout
 from tests.conftest import (
     BNModel,
     RecordingDataStatesIO,
@@ -375,3 +375,15 @@ def test_the_drain_bar_counts_both_copies():
     assert _done_bytes([local_only, single]) == 100 + 40 + 30
     local_only.replication, local_only.persistent_durable_s = "committed", 2.0
     assert _unfinished([local_only]) == [] and _done_bytes([local_only]) == 200
+
+
+def test_a_long_checkpoint_name_saves_with_a_local_tier_as_without(tmp_path):
+    """The marker's own name is shortened to fit the file system's limit; the name is kept whole inside it (a
+    recovery must find the copy it marks)."""
+    name = "x" * 231 + ".ckpt"
+    plugin = DataStatesIO(local_tier=str(tmp_path / "local"), **SMALL)
+    plugin.save_checkpoint({"state_dict": {"w": torch.ones(4)}}, str(tmp_path / "persist" / name))
+    assert os.listdir(tmp_path / "persist") == [name]
+    local = _local_dir(tmp_path / "local")
+    marker = TierLayout.mark(str(local / name), "")
+    assert TierLayout.markers(str(local)) == {name: [(marker, TierLayout.markers(str(local))[name][0][1])]}

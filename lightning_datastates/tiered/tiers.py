@@ -21,6 +21,7 @@ Call order and threads: every method on the training thread, but :meth:`TieredCh
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import threading
@@ -45,6 +46,8 @@ log = logging.getLogger("lightning_datastates")
 
 #: Suffix of the file beside a replicated local copy that holds the persistent file's fingerprint at replication.
 REPLICA_SUFFIX = ".datastates-replica"
+#: Longest file name most POSIX file systems accept.
+_MAX_NAME_BYTES = 255
 #: What :meth:`TieredCheckpoints.load` returns where the persistent copy is to be read.
 NOT_LOCAL: Any = object()
 #: Bytes per window of a replication, and windows in flight (a persistent backend may choose others).
@@ -371,8 +374,13 @@ class TieredCheckpoints:
 
 
 def _replica_note(local_path: str) -> str:
+    """The note beside the copy at ``local_path``: ``.<name>.datastates-replica``, or, where that name would be too
+    long for the file system, ``.<hash of the name>.datastates-replica``."""
     directory, name = os.path.split(local_path)
-    return os.path.join(directory, f".{name}{REPLICA_SUFFIX}")
+    note = f".{name}{REPLICA_SUFFIX}"
+    if len(note.encode()) > _MAX_NAME_BYTES:
+        note = f".{hashlib.sha256(name.encode()).hexdigest()[:16]}{REPLICA_SUFFIX}"
+    return os.path.join(directory, note)
 
 
 def _read_note(local_path: str) -> str:
@@ -401,7 +409,8 @@ def _modified_or_zero(path: str) -> float:
 def _write_small(path: str, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary name and a rename (no fsync: a lost note only makes the next
     load read the persistent copy)."""
-    temporary = f"{path}.{os.getpid()}.tmp"
+    # One note at a time per process (the replicator's coordinator writes them), and a short name whatever the note's.
+    temporary = os.path.join(os.path.dirname(path), f".datastates-note.{os.getpid()}.tmp")
     with open(temporary, "w") as file:
         file.write(text)
     os.replace(temporary, path)
