@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import types
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -112,9 +113,10 @@ def endless_fit_trainer(out: str, plugin: Any, callbacks: list[Any], max_steps: 
     return L.Trainer(**{**settings, **kwargs})
 
 
-def datastates_threads() -> list[str]:
-    """Names of this process's live engine threads."""
-    return sorted(t.name for t in threading.enumerate() if t.name.startswith("datastates-"))
+def datastates_threads(since: Collection[threading.Thread] = ()) -> list[str]:
+    """Names of this process's live threads of the package, those in ``since`` left out (threads that were running
+    before a test began: other tests in the same worker may leave plugins they never tore down)."""
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("datastates-") and t not in since)
 
 
 def write_json(path: str, data: Any) -> None:

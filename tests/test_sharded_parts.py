@@ -42,6 +42,7 @@ from tests.s3_server import (  # noqa: F401 - the *_fixture imports register the
     s3_endpoint_fixture,
     s3_fixture,
 )
+from tests.script_support import datastates_threads
 from tests.sharded_script import CpuFSDPStrategy
 
 
@@ -588,13 +589,9 @@ def test_a_sharded_fit_leaves_no_thread_of_ours_running(tmp_path, monkeypatch):
     checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=1, save_top_k=-1)
     _one_process_fit(tmp_path, monkeypatch, DataStatesIO(), checkpoint)
     deadline = time.monotonic() + 10  # the committer ends right after its last commit, a moment after fit's drain
-    while _threads_of_ours() and time.monotonic() < deadline:
+    while datastates_threads() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert _threads_of_ours() == []
-
-
-def _threads_of_ours() -> list[str]:
-    return [thread.name for thread in threading.enumerate() if thread.name.startswith("datastates-")]
+    assert datastates_threads() == []
 
 
 @pytest.mark.parametrize("failing", ["mark", "meta"])

@@ -43,6 +43,7 @@ from tests.s3_server import (  # noqa: F401 - the *_fixture imports register the
     s3_endpoint_fixture,
     s3_fixture,
 )
+from tests.script_support import datastates_threads
 
 SMALL = {"chunk_size": "64KiB", "eager_copy_size": "1KiB", "writer_threads": 2}
 
@@ -275,7 +276,7 @@ def test_a_save_outside_fit_returns_with_the_persistent_copy_committed(tmp_path)
     path = tmp_path / "persist" / "after.ckpt"
     trainer.save_checkpoint(path)
     assert torch.load(path, weights_only=False)["global_step"] == 16
-    assert [t.name for t in set(threading.enumerate()) - before if t.name.startswith("datastates-")] == []
+    assert datastates_threads(since=before) == []
 
 
 @pytest.mark.parametrize(

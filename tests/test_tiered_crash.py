@@ -38,7 +38,7 @@ from lightning_datastates.tiered.layout import REPLICATE_SUFFIX, TierLayout
 from tests import tiered_kill
 from tests.conftest import BNModel, every_step_checkpoint, make_loader, make_trainer
 from tests.s3_server import require_s3, s3_endpoint_fixture, s3_fixture  # noqa: F401 - fixtures
-from tests.script_support import launch, output_of
+from tests.script_support import datastates_threads, launch, output_of
 
 pytestmark = pytest.mark.slow
 
@@ -179,8 +179,7 @@ def _fit_last(tmp_path: Any, tier: _Tier, local_tier: str, width: int, max_steps
         threading.excepthook = hook
     assert escaped == [], f"exceptions escaped threads: {escaped!r}"
     pipeline_of(plugin).raise_pending_failure()  # a replication that failed in the background (teardown logs it)
-    outlived = [t.name for t in set(threading.enumerate()) - before if t.name.startswith("datastates-")]
-    assert outlived == [], "threads outlived the fit's teardown"
+    assert datastates_threads(since=before) == [], "threads outlived the fit's teardown"
     return plugin, resumed
 
 

@@ -26,6 +26,7 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 
 from lightning_datastates import DataStatesCallback, DataStatesIO
 from tests.conftest import BNModel, every_step_checkpoint, make_loader, make_trainer, quiet_trainer
+from tests.script_support import datastates_threads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,11 +40,7 @@ def new_threads_of_ours() -> Callable[[], list[str]]:
     """The threads of this package started since the test began and still running (threads that other tests in the
     same worker left behind, with plugins they never tore down, are not this test's)."""
     before = set(threading.enumerate())
-
-    def ours() -> list[str]:
-        return [t.name for t in threading.enumerate() if t.name.startswith("datastates-") and t not in before]
-
-    return ours
+    return lambda: datastates_threads(since=before)
 
 
 # ---------------------------------------------------------------------------------------------- the callback list

@@ -53,7 +53,7 @@ from lightning_datastates.storage.direct_io import direct_io_suits, no_direct_io
 log = logging.getLogger("lightning_datastates")
 
 #: Longest file name most POSIX file systems accept.
-_MAX_NAME_BYTES = 255
+MAX_NAME_BYTES = 255
 #: errno values of an ``O_TMPFILE`` open that mean "no unnamed files here" (file system, kernel before 3.11 which
 #: reads the flag as opening the directory itself, sandbox): write a named temporary file instead.
 _UNNAMED_REFUSALS = frozenset({errno.EOPNOTSUPP, errno.ENOTSUP, errno.EISDIR, errno.EINVAL, errno.ENOSYS, errno.EPERM})
@@ -234,7 +234,7 @@ class LocalWriter(StorageWriter):
                 "name (ModelCheckpoint's filename, or Trainer.save_checkpoint('dir/name.ckpt'))",
             )
         directory = os.path.dirname(path) or "."
-        temp_path = os.path.join(directory, leftover_name(os.path.basename(path), TEMP_SUFFIX, _MAX_NAME_BYTES))
+        temp_path = os.path.join(directory, leftover_name(os.path.basename(path), TEMP_SUFFIX, MAX_NAME_BYTES))
         with _unwritable_directory_named(directory):
             os.makedirs(directory, exist_ok=True)
             fd = open_unnamed(directory)

@@ -34,12 +34,10 @@ from collections import defaultdict
 from lightning_datastates.errors import ConfigError
 from lightning_datastates.records.leftovers import LeftoverName, leftover_name, parse_leftover_name
 from lightning_datastates.storage.base import write_file
-from lightning_datastates.storage.local import LocalWriter
+from lightning_datastates.storage.local import MAX_NAME_BYTES, LocalWriter
 
 log = logging.getLogger("lightning_datastates")
 
-#: Longest file name most POSIX file systems accept.
-_MAX_NAME_BYTES = 255
 #: Suffix of the markers of local copies not yet replicated.
 REPLICATE_SUFFIX = ".datastates-replicate"
 #: The file in each local directory naming its persistent directory.
@@ -122,7 +120,7 @@ class TierLayout:
         directory, name = os.path.split(local_path)
         # A long name is shortened in the marker's own name (which must fit the file system's limit) and kept whole
         # inside it.
-        marker = os.path.join(directory, leftover_name(name, REPLICATE_SUFFIX, _MAX_NAME_BYTES))
+        marker = os.path.join(directory, leftover_name(name, REPLICATE_SUFFIX, MAX_NAME_BYTES))
         fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             os.write(fd, json.dumps({"name": name, "seen": seen}).encode())

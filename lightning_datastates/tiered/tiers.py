@@ -37,7 +37,8 @@ from lightning_datastates.records.job import JobState, SnapshotStats
 from lightning_datastates.records.leftovers import writer_gone
 from lightning_datastates.snapshot.engine import LazyPredicate, SnapshotEngine
 from lightning_datastates.snapshot.pending import PendingReplication
-from lightning_datastates.storage.base import StorageWriter
+from lightning_datastates.storage.base import StorageWriter, write_file
+from lightning_datastates.storage.local import MAX_NAME_BYTES
 from lightning_datastates.tiered.layout import TierLayout, persistent_dir
 from lightning_datastates.tiered.replicator import Replication, Replicator, fingerprint_text
 from lightning_datastates.tiered.retention import local_copies, prune_local
@@ -46,8 +47,6 @@ log = logging.getLogger("lightning_datastates")
 
 #: Suffix of the file beside a replicated local copy that holds the persistent file's fingerprint at replication.
 REPLICA_SUFFIX = ".datastates-replica"
-#: Longest file name most POSIX file systems accept.
-_MAX_NAME_BYTES = 255
 #: What :meth:`TieredCheckpoints.load` returns where the persistent copy is to be read.
 NOT_LOCAL: Any = object()
 #: Bytes per window of a replication, and windows in flight (a persistent backend may choose others).
@@ -168,11 +167,8 @@ class TieredCheckpoints:
         """
         if "://" not in path and os.path.islink(path):
             path = os.path.realpath(path)  # save_last="link": the checkpoint it points to (maybe not copied yet)
-        try:
-            local_path = self.layout.local_path(path)
-        except ConfigError:
-            return NOT_LOCAL  # its local directory belongs to another persistent directory: no copy of this one
-        if local_path is None:
+        local_path = self.local_copy_of(path)
+        if local_path is None:  # no local directory for it, or one of another persistent directory
             return NOT_LOCAL
         if engine is not None:
             engine.wait_path(local_path)
@@ -250,8 +246,7 @@ class TieredCheckpoints:
             engine.pending.register_commit(entry)
             self._replicator_of(engine).adopt(Replication(entry, local_path, gone))
             adopted.append(local_path)
-        with self._lock:
-            prune_local(directory, self.keep, self.layout.markers(directory))
+        self._prune(directory)
         return adopted
 
     def local_copy_of(self, path: str) -> str | None:
@@ -298,9 +293,14 @@ class TieredCheckpoints:
         unmark it (in this order: a crash in between leaves it marked, replicated once more by the next run), then
         apply the retention to its directory."""
         if item.persistent_fingerprint is not None:
-            _write_small(_replica_note(item.local_path), fingerprint_text(item.persistent_fingerprint))
+            note = fingerprint_text(item.persistent_fingerprint).encode()
+            write_file(self._writer_for(item.local_path), _replica_note(item.local_path), note)
         self.layout.unmark(item.markers)
-        directory = os.path.dirname(item.local_path)
+        self._prune(os.path.dirname(item.local_path))
+
+    def _prune(self, directory: str) -> None:
+        """The retention of the local ``directory``: the copies beyond the newest ``local_keep`` go, with their
+        notes, marked ones stay (under the lock that orders it against a save's marking)."""
         with self._lock:
             for removed in prune_local(directory, self.keep, self.layout.markers(directory)):
                 with contextlib.suppress(FileNotFoundError):
@@ -378,7 +378,7 @@ def _replica_note(local_path: str) -> str:
     long for the file system, ``.<hash of the name>.datastates-replica``."""
     directory, name = os.path.split(local_path)
     note = f".{name}{REPLICA_SUFFIX}"
-    if len(note.encode()) > _MAX_NAME_BYTES:
+    if len(note.encode()) > MAX_NAME_BYTES:
         note = f".{hashlib.sha256(name.encode()).hexdigest()[:16]}{REPLICA_SUFFIX}"
     return os.path.join(directory, note)
 
@@ -404,13 +404,3 @@ def _modified_or_zero(path: str) -> float:
         return os.stat(path).st_mtime
     except FileNotFoundError:
         return 0.0
-
-
-def _write_small(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary name and a rename (no fsync: a lost note only makes the next
-    load read the persistent copy)."""
-    # One note at a time per process (the replicator's coordinator writes them), and a short name whatever the note's.
-    temporary = os.path.join(os.path.dirname(path), f".datastates-note.{os.getpid()}.tmp")
-    with open(temporary, "w") as file:
-        file.write(text)
-    os.replace(temporary, path)
