@@ -111,9 +111,7 @@ class CheckpointPipeline:
             self.wait_for_commit(path)  # with a local tier: until the copy at path is committed
             # Nothing of the training loop follows to drain or tear down: the threads end now, as a synchronous save
             # leaves none behind (the next save starts them again).
-            self.engine.close()
-            if self._tiers is not None:
-                self._tiers.close()
+            self._close()
         stats.save_call_s = time.perf_counter() - started
 
     def wait_for_commit(self, path: str) -> None:
@@ -189,15 +187,20 @@ class CheckpointPipeline:
         of the plugin or its callback."""
         if self._engine is None:
             return
-        self._engine.close()  # drains every pending save, sharded commits and replications included
-        if self._tiers is not None:
-            self._tiers.close()
+        self._close()
         for failed in self._engine.unreported_failures():
             log.error(
                 "lightning_datastates: %s (raised as CheckpointFlushError by the next call of the plugin); earlier "
                 "checkpoints are intact",
                 flush_error(failed),
             )
+
+    def _close(self) -> None:
+        """Drain every pending save (sharded commits and replications included) and end the engine's and the
+        replicator's threads; they start again on the next save."""
+        self.engine.close()
+        if self._tiers is not None:
+            self._tiers.close()
 
     @property
     def stats(self) -> list[SnapshotStats]:
