@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning_datastates import DataStatesIO
 from lightning_datastates.errors import ConfigError
 from lightning_datastates.plugin import pipeline_of
-from lightning_datastates.records.leftovers import host_tag
+from lightning_datastates.records.leftovers import TEMP_SUFFIX, host_tag
 from lightning_datastates.snapshot.engine import SnapshotEngine
 from lightning_datastates.storage.local import LocalWriter
 from lightning_datastates.tiered.layout import REPLICATE_SUFFIX, TARGET_NAME, TierLayout
@@ -266,6 +266,25 @@ def test_last_takes_a_local_copy_the_persistent_tier_lacks(tmp_path):
     (persist / "last.ckpt").unlink()
     marker.touch()
     assert _resume_last(tmp_path, DataStatesIO(local_tier=str(tier), **SMALL), persist) == 16
+
+
+def test_recovery_removes_the_temporary_files_of_a_dead_runs_local_writes(tmp_path):
+    """A run killed while a local write was in flight leaves its temporary file on the local tier: the next run's
+    recovery removes it, and keeps the one a live writer (this process) may still be writing."""
+    tier, persist = tmp_path / "local", tmp_path / "persist"
+    _fit(tmp_path, DataStatesIO(local_tier=str(tier), **SMALL), str(persist))
+    local = _local_dir(tier)
+    copies = _copies(local)
+    dead = local / f".last.ckpt.{host_tag()}.{dead_pid()}.0123abcd{TEMP_SUFFIX}"
+    live = local / f".last.ckpt.{host_tag()}.{os.getpid()}.4567cdef{TEMP_SUFFIX}"
+    for leftover in (dead, live):
+        leftover.write_bytes(b"torn")
+    recovering = DataStatesIO(local_tier=str(tier), **SMALL)
+    pipeline_of(recovering).clean_stale(str(persist))
+    recovering.drain()
+    assert not dead.exists()
+    assert live.exists()
+    assert _copies(local) == copies
 
 
 # ---------------------------------------------------------------------------------------------------- around fit

@@ -201,11 +201,14 @@ class TieredCheckpoints:
 
     def recover(self, engine: SnapshotEngine, persistent_directory: str) -> list[str]:
         """At a run's first use of ``persistent_directory`` (the pipeline's cleanup): replicate the local copies a
-        dead run did not (markers whose writer is gone), drop the markers of copies that never became whole, and
-        apply the retention; the local copies queued for replication."""
+        dead run did not (markers whose writer is gone), drop the markers of copies that never became whole and the
+        temporary files of its local writes, and apply the retention; the local copies queued for replication."""
         directory = self.layout.local_dir(persistent_directory)
         if directory is None:
             return []
+        # A local write the dead run was killed in leaves its temporary file here, where the persistent directory's
+        # cleanup does not look: the same rule removes it (this host's dead processes; other hosts' once stale).
+        self._writer_for(directory).clean_stale(directory, self._config.stale_after_s)
         adopted = []
         for name, markers in self.layout.markers(directory).items():
             gone = [
