@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import textwrap
 import threading
 from pathlib import Path
 from typing import Any
@@ -379,9 +380,64 @@ def test_a_save_outside_fit_whose_local_write_fails_raises(tmp_path, monkeypatch
 
     plugin = DataStatesIO(local_tier=str(tmp_path / "local"), **SMALL)
     monkeypatch.setattr(LocalWriteSession, "complete", failing_complete)
-    with pytest.raises(CheckpointFlushError, match="No space left"):
+    with pytest.raises(CheckpointFlushError, match=r"No space left.*\(local_keep=2\), or set local_tier"):
         plugin.save_checkpoint({"state_dict": {"w": torch.ones(4)}}, str(tmp_path / "persist" / "a.ckpt"))
     assert not (tmp_path / "persist" / "a.ckpt").exists()
+
+
+_FULL_LOCAL_TIER_SCRIPT = textwrap.dedent(
+    """
+    import json, os, resource, signal, sys
+    import lightning as L
+    import torch
+    from lightning_datastates import CheckpointFlushError
+    from tests.conftest import RecordingDataStatesIO, BNModel, assert_bit_equal, every_step_checkpoint
+    from tests.conftest import make_loader, make_trainer, temp_files
+
+    LIMIT = 4 * 2**20
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
+    resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, LIMIT))
+
+    class BigAtStep3(L.Callback):
+        def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+            if trainer.global_step == 3:  # this checkpoint does not fit on the local tier
+                checkpoint["blob"] = torch.ones(LIMIT // 2)
+
+    persist, local = sys.argv[1], sys.argv[2]
+    plugin = RecordingDataStatesIO(local_tier=local, chunk_size="64KiB", writer_threads=2)
+    checkpoint = every_step_checkpoint(persist, save_last=False)
+    trainer = make_trainer(persist, plugin, callbacks=[checkpoint, BigAtStep3()], max_epochs=-1, max_steps=6)
+    error = None
+    try:
+        trainer.fit(BNModel(), make_loader())
+    except CheckpointFlushError as exc:
+        error = {"message": str(exc), "errno": getattr(exc.__cause__, "errno", None)}
+    files = sorted(n for n in os.listdir(persist) if n.endswith(".ckpt"))
+    for name in files:  # every persistent file is whole and equals the state of its step
+        path = os.path.join(persist, name)
+        assert_bit_equal(torch.load(path, weights_only=True), plugin.recorded[path], name)
+    local_dirs = [os.path.join(local, d) for d in os.listdir(local)]
+    print(json.dumps({"error": error, "files": files, "temp_files": temp_files(persist) + temp_files(*local_dirs)}))
+    """
+)
+
+
+def test_a_full_local_tier_is_an_error_naming_local_tier_and_local_keep(tmp_path):
+    """RLIMIT_FSIZE in a subprocess: the local write of step 3 fails with EFBIG, as on a full local disk. Training
+    stops with an error that names the local tier and the settings that make room; earlier checkpoints are whole
+    on the persistent tier, step 3 is on neither, and no temporary file is left."""
+    from tests.test_faults import run_script
+
+    persist, local = tmp_path / "persist", tmp_path / "local"
+    outcome = run_script(_FULL_LOCAL_TIER_SCRIPT, str(persist), str(local))
+    error = outcome["error"]
+    assert error is not None and error["errno"] == 27
+    assert f"writing the local copy of {persist / 'epoch=0-step=3.ckpt'}" in error["message"]
+    assert f"local_tier={str(local)!r}" in error["message"] and "local_keep=2" in error["message"]
+    # The failure is raised at the first hook after the write failed: step 4 may have been saved meanwhile.
+    assert outcome["files"][:2] == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt"]
+    assert "epoch=0-step=3.ckpt" not in outcome["files"]
+    assert outcome["temp_files"] == []
 
 
 def test_the_drain_bar_counts_both_copies():

@@ -361,7 +361,7 @@ class LocalWriter(StorageWriter):
 
 
 #: errno values meaning "no room for this file": disk full, quota exceeded, file-size limit (RLIMIT_FSIZE).
-_OUT_OF_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+OUT_OF_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
 @contextlib.contextmanager
@@ -394,7 +394,7 @@ def out_of_space_named(path: str) -> Iterator[None]:
     try:
         yield
     except OSError as exc:
-        if exc.errno not in _OUT_OF_SPACE:
+        if exc.errno not in OUT_OF_SPACE:
             raise
         raise OSError(
             exc.errno,
@@ -453,7 +453,7 @@ def _link_unnamed(fd: int, temp_path: str, path: str) -> None:
         with out_of_space_named(path):  # a new directory entry may need a block
             os.link(f"/proc/self/fd/{fd}", temp_path, src_dir_fd=fd, follow_symlinks=True)
     except OSError as exc:
-        if exc.errno in _OUT_OF_SPACE:
+        if exc.errno in OUT_OF_SPACE:
             raise
         _refuse_unnamed(os.path.dirname(temp_path) or ".", exc)
         raise OSError(

@@ -31,14 +31,14 @@ from functools import partial
 from typing import Any
 
 from lightning_datastates.config import DataStatesConfig
-from lightning_datastates.errors import CheckpointCorruptError, ConfigError
+from lightning_datastates.errors import CheckpointCorruptError, CheckpointFlushError, ConfigError
 from lightning_datastates.load.reader import verify_checkpoint
-from lightning_datastates.records.job import JobState, SnapshotStats
+from lightning_datastates.records.job import JobState, SnapshotJob, SnapshotStats
 from lightning_datastates.records.leftovers import writer_gone
 from lightning_datastates.snapshot.engine import LazyPredicate, SnapshotEngine
 from lightning_datastates.snapshot.pending import PendingReplication
 from lightning_datastates.storage.base import StorageWriter, write_file
-from lightning_datastates.storage.local import MAX_NAME_BYTES
+from lightning_datastates.storage.local import MAX_NAME_BYTES, OUT_OF_SPACE
 from lightning_datastates.tiered.layout import TierLayout, persistent_dir
 from lightning_datastates.tiered.replicator import Replication, Replicator, fingerprint_text
 from lightning_datastates.tiered.retention import local_copies, prune_local
@@ -147,7 +147,7 @@ class TieredCheckpoints:
                 self._writer_for(local_path),
                 lazy,
                 awaits_commit=awaits_commit,
-                on_settled=partial(replicator.settled, item),
+                on_settled=partial(self._local_write_settled, replicator, item),
                 persistent_path=path,
             )
         except BaseException:
@@ -309,6 +309,15 @@ class TieredCheckpoints:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(_replica_note(removed))
 
+    def _local_write_settled(self, replicator: Replicator, item: Replication, job: SnapshotJob) -> None:
+        """The local write of ``item`` ended (its ``on_settled`` hook, on the writer thread, before the failure is
+        reported): a failure is told as the local copy's, naming the local tier and what to change; then the
+        replicator takes it."""
+        with job.lock:
+            if job.error is not None and not isinstance(job.error, CheckpointFlushError):
+                job.error = local_write_error(self._config, item.entry.path, job.path, job.error)
+        replicator.settled(item, job)
+
     def _end_unwritten(self, engine: SnapshotEngine, item: Replication, state: JobState) -> None:
         """End ``item``'s entry where its local write never started (skipped, or the capture raised)."""
         self.layout.unmark(item.markers)
@@ -374,6 +383,26 @@ class TieredCheckpoints:
                 "checkpoints kept elsewhere. Give ModelCheckpoint a dirpath on the persistent storage (S3, Lustre), "
                 "or local_tier another directory"
             )
+
+
+def local_write_error(
+    config: DataStatesConfig, persistent_path: str, local_path: str, exc: BaseException
+) -> CheckpointFlushError:
+    """The error to report for the failed write of ``local_path``, the local copy of ``persistent_path``: it names
+    the local tier, and for a full one (disk, quota, file-size limit) the settings that make room; ``exc`` chained.
+    Pure."""
+    where = f"writing the local copy of {persistent_path} at {local_path} failed"
+    if isinstance(exc, OSError) and exc.errno in OUT_OF_SPACE:
+        message = (
+            f"{where}: the local tier (local_tier={config.local_tier!r}) has no room for it ({exc.strerror}). Free "
+            f"space there, keep fewer replicated copies on it (local_keep={config.local_keep}), or set local_tier to "
+            f"a larger disk; nothing of this checkpoint was written to {persistent_path}"
+        )
+    else:
+        message = f"{where} (local_tier={config.local_tier!r}): {exc!r}"
+    error = CheckpointFlushError(message, local_path)
+    error.__cause__ = exc
+    return error
 
 
 def _replica_note(local_path: str) -> str:
