@@ -190,10 +190,16 @@ def test_a_damaged_local_copy_is_passed_over_for_the_persistent_one(tmp_path, ca
     assert resumed.global_step == 24
 
 
-def test_a_persistent_file_written_since_the_replication_is_loaded_not_the_stale_local_copy(tmp_path):
+@pytest.mark.parametrize("fingerprints", ["given", "none"])
+def test_a_persistent_file_written_since_the_replication_is_loaded_not_the_stale_local_copy(
+    tmp_path, monkeypatch, fingerprints
+):
     """Another node (or a run without the local tier) wrote the persistent path after this node's copy was
-    replicated: the local copy is stale, and the load reads the persistent file."""
+    replicated: the local copy is stale, and the load reads the persistent file. Likewise where the persistent
+    storage gives no fingerprint (a backend without one, a lookup that failed): it cannot be shown unchanged."""
     tier, persist = tmp_path / "local", tmp_path / "persist"
+    if fingerprints == "none":
+        monkeypatch.setattr(LocalWriter, "fingerprint", lambda self, path: None)
     _fit(tmp_path, DataStatesIO(local_tier=str(tier), **SMALL), str(persist))
     newer = {"state_dict": {"w": torch.arange(4.0)}, "global_step": 99}
     torch.save(newer, persist / "last.ckpt")  # a plain save elsewhere

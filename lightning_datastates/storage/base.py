@@ -136,7 +136,7 @@ class StorageWriter(ABC):
     def fingerprint(self, path: str) -> Hashable | None:
         """A cheap token that changes whenever the committed file at ``path`` is replaced or changed (metadata
         only, no data read); None where this backend cannot tell (then a copy held in memory is never served in
-        place of the file), or when nothing is at ``path``.
+        place of the file), or when nothing is at ``path`` (callers that must tell the two apart ask :meth:`exists`).
         """
         return None
 

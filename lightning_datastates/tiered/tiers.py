@@ -331,9 +331,18 @@ class TieredCheckpoints:
         if markers:  # not replicated yet: the newest, unless the persistent file was written since
             return self._marked_copy_is_newest(path, [marker for marker, _ in markers])
         noted = _read_note(local_path) or None
-        current = self._writer_for(path).fingerprint(path)
+        writer = self._writer_for(path)
+        current = writer.fingerprint(path)
         if current is None:
-            return True  # the persistent file is gone: the local copy is all there is
+            if not _exists(writer, path):
+                return True  # the persistent file is gone: the local copy is all there is
+            log.info(
+                "lightning_datastates: cannot tell whether %s changed since %s was replicated to it (its storage "
+                "gives no fingerprint now): loading it, not the local copy",
+                path,
+                local_path,
+            )
+            return False
         if noted != fingerprint_text(current):
             log.info(
                 "lightning_datastates: %s changed since %s was replicated to it (another run or node wrote it): "
@@ -347,16 +356,17 @@ class TieredCheckpoints:
     def _marked_copy_is_newest(self, path: str, markers: list[str]) -> bool:
         """Whether the local copy of ``path``, marked as not replicated by ``markers``, is newer than the persistent
         file: the persistent file is missing, or unchanged since this node last replicated it (the newest marker says
-        how it was then), or, for a name this node never replicated, last written before that save began. Else it was
+        how it was then), or, for a name this node never replicated (or a storage that gives no fingerprint now), last
+        written before that save began. Else it was
         written since: by another node (the job moved and came back), or by this copy's own replication, killed before
         its marker went (then both are the same bytes)."""
         writer = self._writer_for(path)
         current = writer.fingerprint(path)
-        if current is None:
+        if current is None and not _exists(writer, path):
             return True
         newest = max(markers, key=_modified_or_zero)
         seen = self.layout.seen_in(newest)
-        if seen:
+        if seen and current is not None:  # else (its storage cannot tell now) by the times, as a name never replicated
             return seen == fingerprint_text(current)
         directory, name = path.rstrip("/").rsplit("/", 1)
         modified = {entry.name: entry.modified_s for entry in writer.list_directory(directory)}.get(name)
@@ -422,6 +432,15 @@ def _read_note(local_path: str) -> str:
             return file.read()
     except FileNotFoundError:
         return ""
+
+
+def _exists(writer: StorageWriter, path: str) -> bool:
+    """Whether something is at ``path`` (told apart from a fingerprint its storage cannot give); True where the
+    storage cannot be asked now, so that the persistent file is never taken for gone by mistake."""
+    try:
+        return writer.exists(path)
+    except Exception:  # noqa: BLE001 - unknown: as present (the local copy is then read only if shown newer)
+        return True
 
 
 def _age_s(path: str) -> float | None:
