@@ -33,8 +33,9 @@ from lightning_datastates.records.leftovers import host_tag
 from lightning_datastates.records.names import DCP_METADATA_NAME, LIGHTNING_META_NAME, PENDING_SUFFIX, REMOVING_SUFFIX
 from lightning_datastates.sharded.leftovers import clean_leftovers
 from lightning_datastates.storage import LocalWriter
-from tests.conftest import dead_pid
+from tests.conftest import BNModel, dead_pid, every_step_checkpoint, make_loader, make_trainer
 from tests.s3_server import s3_endpoint_fixture, s3_fixture  # noqa: F401 - fixtures
+from tests.script_support import script_env
 from tests.test_sharded_parts import _one_process_fit, _ShardedBNModel
 
 
@@ -88,6 +89,56 @@ def test_resume_after_a_kill_during_the_first_last_ckpt_flush_takes_the_newest_w
     else:
         assert resumed.ckpt_path is None and resumed.global_step == 0  # from scratch, as with no last checkpoint
     assert (last / LIGHTNING_META_NAME).exists()  # the new run's last.ckpt, whole
+
+
+_KILLED_WITH_A_LINK = textwrap.dedent(
+    """
+    import os, signal, sys, threading
+    import lightning as L
+    from lightning_datastates import DataStatesIO
+    from lightning_datastates.storage.local import LocalWriteSession
+    from tests.conftest import BNModel, every_step_checkpoint, make_loader, make_trainer
+
+    complete = LocalWriteSession.complete
+
+    def held_complete(self):
+        if self.path.endswith("epoch=0-step=3.ckpt"):
+            threading.Event().wait()  # step 3's file is never committed: its write is in flight at the kill
+        complete(self)
+
+    LocalWriteSession.complete = held_complete
+
+    class KillOnceLinked(L.Callback):
+        def on_train_batch_start(self, trainer, *args):
+            if trainer.global_step == 3:  # step 3 was saved and last.ckpt linked to it
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    directory = sys.argv[1]
+    callbacks = [every_step_checkpoint(directory, save_last="link"), KillOnceLinked()]
+    trainer = make_trainer(directory, DataStatesIO(), callbacks=callbacks, max_epochs=-1, max_steps=6)
+    trainer.fit(BNModel(), make_loader())
+    """
+)
+
+
+def test_a_run_killed_before_the_file_last_links_to_was_written_resumes_from_the_newest_whole_one(tmp_path):
+    """``save_last="link"``: Lightning links ``last.ckpt`` as soon as the save call returns; a run killed before that
+    file was committed leaves the link dangling. ``ckpt_path="last"`` resumes from the newest whole checkpoint with a
+    warning (Lightning alone finds no last checkpoint and trains from scratch)."""
+    directory = tmp_path / "ckpt"
+    process = subprocess.run(
+        [sys.executable, "-c", _KILLED_WITH_A_LINK, str(directory)], env=script_env(), check=False, timeout=120
+    )
+    assert process.returncode == -signal.SIGKILL
+    link = directory / "last.ckpt"
+    assert os.readlink(link) == "epoch=0-step=3.ckpt" and not link.exists()
+    resumed = _ResumedFrom()
+    callbacks = [every_step_checkpoint(str(directory), save_last="link"), resumed]
+    trainer = make_trainer(str(directory), DataStatesIO(), callbacks=callbacks, max_epochs=-1, max_steps=4)
+    with pytest.warns(UserWarning, match=r"no last checkpoint is whole \(.*last\.ckpt"):
+        trainer.fit(BNModel(), make_loader(), ckpt_path="last")
+    assert resumed.ckpt_path == str(directory / "epoch=0-step=2.ckpt") and resumed.global_step == 2
+    assert os.readlink(link) == "epoch=0-step=4.ckpt" and link.exists()
 
 
 # ---------------------------------------------------------------------------------------------- removals

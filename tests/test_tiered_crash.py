@@ -154,9 +154,12 @@ class _ResumedFrom(L.Callback):
         self.ckpt_path, self.global_step = trainer.ckpt_path, trainer.global_step
 
 
-def _fit_last(tmp_path: Any, tier: _Tier, local_tier: str, width: int, max_steps: int) -> tuple[_SavedNames, Any]:
-    """``fit(ckpt_path="last")`` of a fresh Trainer in this process, saving as the killed run did; the plugin (the
-    names it saved) and where it resumed from. Fails on an exception escaping a thread, or a background failure."""
+def _fit_last(
+    tmp_path: Any, tier: _Tier, local_tier: str, width: int, max_steps: int, save_last: Any = True
+) -> tuple[_SavedNames, Any]:
+    """``fit(ckpt_path="last")`` of a fresh Trainer in this process, saving as the killed run did (``save_last``);
+    the plugin (the names it saved) and where it resumed from. Fails on an exception escaping a thread, or a
+    background failure."""
     escaped: list[BaseException | None] = []
     before = set(threading.enumerate())  # other tests in this worker may have left plugins they never tore down
     hook = threading.excepthook
@@ -169,7 +172,7 @@ def _fit_last(tmp_path: Any, tier: _Tier, local_tier: str, width: int, max_steps
         trainer = make_trainer(
             str(tmp_path),
             plugin,
-            callbacks=[every_step_checkpoint(tier.dirpath), resumed],
+            callbacks=[every_step_checkpoint(tier.dirpath, save_last=save_last), resumed],
             max_epochs=-1,
             max_steps=max_steps,
         )
@@ -257,6 +260,29 @@ def test_a_run_killed_at_a_replication_seam_leaves_whole_files_and_the_next_run_
     assert _files_ending(local_tier, TEMP_SUFFIX) == []
     assert tier.leftovers() == []
     tier.verify_all()
+
+
+def test_a_run_killed_with_last_linked_to_a_copy_not_replicated_resumes_from_that_copy(tmp_path):
+    """``save_last="link"``: the run is killed once ``last.ckpt`` links to step 3's checkpoint, committed locally and
+    never copied, so the link dangles on the persistent tier. ``fit(ckpt_path="last")`` resumes from step 3 (its local
+    copy), not from scratch, and the run's recovery puts the file the link names on the persistent tier."""
+    tier, local_tier, killed = _Tier(tmp_path), str(tmp_path / "local"), _STEP_3
+    process = launch("tiered_kill.py", tier.dirpath, local_tier, "before", "256", killed, TIERED_KILL_LINK="1")
+    output = output_of(process, _RUN_TIMEOUT_S, "the killed")
+    assert process.returncode == -signal.SIGKILL, f"status {process.returncode}:\n{output[-4000:]}"
+    link = os.path.join(tier.dirpath, "last.ckpt")
+    assert os.readlink(link) == killed and not os.path.exists(link), "the kill left no dangling last.ckpt link"
+    directory = _local_dir(local_tier, tier.dirpath)
+    at_kill = _local_copies(directory)[killed]
+    assert _verify_local(directory)[killed] == 3
+
+    _, resumed = _fit_last(tmp_path, tier, local_tier, 256, max_steps=5, save_last="link")
+
+    assert resumed.ckpt_path == tier.path(killed) and resumed.global_step == 3
+    assert _digest(tier.names().get(killed)) == _digest(at_kill), f"{killed}: not replicated after the kill"
+    assert os.readlink(link) == "epoch=0-step=5.ckpt" and os.path.exists(link)
+    assert _files_ending(local_tier, REPLICATE_SUFFIX) == [] and _files_ending(local_tier, TEMP_SUFFIX) == []
+    assert tier.leftovers() == []
 
 
 @pytest.mark.parametrize("tier", ["posix", "s3"], indirect=True)

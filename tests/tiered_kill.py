@@ -18,6 +18,10 @@ Before that checkpoint is saved, every earlier one is committed on both tiers (`
 each seam kills the run with step 2's ``last.ckpt`` to resume from, and the saves after step 3's (its ``last.ckpt``,
 later steps) in flight or marked; with ``last.ckpt``, before the first ``last.ckpt`` is on the persistent tier.
 
+With ``TIERED_KILL_LINK=1`` the run saves ``save_last="link"`` (local ``DIRPATH`` only), and ``before`` holds the
+training thread after Lightning linked ``last.ckpt`` to ``NAME`` instead of after the capture; the settled hook waits
+for that link before it kills: the kill leaves ``last.ckpt`` linked to a file the persistent tier does not hold.
+
 Each kill is announced on stdout first (``killing at <seam>: <path>``). A run that reaches its last step without
 meeting its seam exits with status 3: the test then fails, rather than check a crash that never happened.
 """
@@ -32,6 +36,7 @@ import time
 from typing import Any
 
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_datastates import DataStatesIO
 from lightning_datastates.snapshot.engine import SnapshotEngine
@@ -53,6 +58,8 @@ _HOLD_S = 30.0
 
 _lock = threading.Lock()
 _kill_name = KILL_NAME  # NAME, set by main()
+#: save_last="link" (TIERED_KILL_LINK=1): the link last.ckpt is made after the save call returns.
+LINK = os.environ.get("TIERED_KILL_LINK") == "1"
 
 
 def _die(seam: str, path: str) -> None:
@@ -69,17 +76,29 @@ def install_seam(seam: str) -> None:
     if seam == "before":
         original_capture = SnapshotEngine.capture
         original_settled = Replicator.settled
+        original_link = ModelCheckpoint._link_checkpoint
+        linked = threading.Event()
 
         def capture_and_hold(self: SnapshotEngine, checkpoint: Any, path: str, *args: Any, **kwargs: Any) -> Any:
             stats = original_capture(self, checkpoint, path, *args, **kwargs)
-            if os.path.basename(path) == _kill_name:
+            if os.path.basename(path) == _kill_name and not LINK:
                 time.sleep(_HOLD_S)  # the local commit lands meanwhile, and its settled hook kills the process
             return stats
 
+        def link_and_hold(trainer: Any, filepath: str, linkpath: str) -> None:
+            original_link(trainer, filepath, linkpath)
+            if os.path.basename(filepath) == _kill_name:
+                linked.set()
+                time.sleep(_HOLD_S)  # likewise, with last.ckpt linked to that file
+
         SnapshotEngine.capture = capture_and_hold  # type: ignore[method-assign]
+        ModelCheckpoint._link_checkpoint = staticmethod(link_and_hold)  # type: ignore[method-assign,assignment]
 
         def settled_then_die(self: Replicator, item: Any, job: Any) -> None:
             if _is_target(item):
+                if LINK and not linked.wait(_HOLD_S):
+                    print(f"last.ckpt was never linked to {_kill_name}", flush=True)
+                    os._exit(4)  # the test then fails, rather than check a state the kill was to leave
                 _die(seam, item.local_path)  # the local commit is done (settled follows it), the copy not queued
             original_settled(self, item, job)
 
@@ -156,7 +175,7 @@ def main() -> None:
     trainer = make_trainer(
         os.path.dirname(local_tier),
         plugin,
-        callbacks=[every_step_checkpoint(dirpath)],
+        callbacks=[every_step_checkpoint(dirpath, save_last="link" if LINK else True)],
         max_epochs=-1,
         max_steps=MAX_STEPS,
     )

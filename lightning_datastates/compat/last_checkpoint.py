@@ -3,7 +3,7 @@
 Checked against lightning 2.5.6 and 2.6.6 (the same code in both): the checkpoint connector resolves ``"last"`` in its
 private ``_CheckpointConnector._parse_ckpt_path``, from each ``ModelCheckpoint``'s private ``_find_last_checkpoints``
 and each ``OnExceptionCheckpoint``'s ``ckpt_path``, and takes the candidate with the newest
-``get_filesystem(path).modified(path)``, before any hook of ours runs. Three things go wrong:
+``get_filesystem(path).modified(path)``, before any hook of ours runs. Four things go wrong:
 
 - ``_find_last_checkpoints`` lists the directory with fsspec, which names remote files without their protocol
   (``bucket/run/last.ckpt``), and ``os.path.normpath`` keeps it so: the connector looks for that path on the local
@@ -12,13 +12,17 @@ and each ``OnExceptionCheckpoint``'s ``ckpt_path``, and takes the candidate with
 - a sharded checkpoint is a directory, and on S3 a directory has no modification time (``IsADirectoryError``);
 - a sharded ``last.ckpt/`` whose first save was killed in flight holds no ``meta.pt``: Lightning picks it all the
   same (locally it exists and has a modification time), the cleanup at setup removes it as a leftover, and the load
-  fails with ``ValueError: ... does not point to a valid checkpoint``.
+  fails with ``ValueError: ... does not point to a valid checkpoint``;
+- with ``save_last="link"``, ``last.ckpt`` is a symbolic link made as soon as the save call returns: a run killed
+  before the file it names was committed (or, with a local tier, replicated) leaves it dangling, Lightning finds no
+  last checkpoint and trains from scratch.
 
 :func:`resolve_last_checkpoint` wraps ``_parse_ckpt_path`` so that, for a Trainer the given predicate accepts (one
 whose checkpoints go through the plugin), ``"last"`` is resolved by :func:`newest_last_checkpoint`: the same
 candidates, remote ones with their protocol, a file as it is (a file is committed whole or not at all), a directory
 only if it holds a checkpoint once the cleanup at setup has run (:func:`~lightning_datastates.records.names.
-holds_checkpoint`), dated by its ``meta.pt`` or commit record. Where candidates exist but none is whole, the newest
+holds_checkpoint`), dated by its ``meta.pt`` or commit record, a dangling link as the file it names where the local
+tier holds that file and as a checkpoint not whole otherwise. Where candidates exist but none is whole, the newest
 whole checkpoint of the ``ModelCheckpoint`` directories is taken instead, with a warning; where there is none either,
 training starts from scratch with Lightning's warning, as Lightning does when it finds no last checkpoint. Every rank
 resolves the same way, before rank 0's cleanup at setup changes anything (the strategy's process group forms in
@@ -124,15 +128,20 @@ def newest_last_checkpoint(
                 # listings, at setup): a last checkpoint written since would not be listed.
                 fs.invalidate_cache(str(callback.dirpath))
                 directories[str(callback.dirpath)] = fs
-            for path in callback._find_last_checkpoints(trainer):
-                candidates[_with_protocol(fs, path)] = fs
             if local_copies is not None and callback.dirpath is not None:
                 copies = local_copies(str(callback.dirpath))
                 local.update(copies)
                 for path in copies:
                     if _is_last_name(callback, path):
                         candidates[path] = fs
-    found = {path: fs for path, fs in candidates.items() if path in local or _exists(fs, path)}
+            for path in callback._find_last_checkpoints(trainer):
+                path = _with_protocol(fs, path)
+                target = _dangling_link_target(fs, path)
+                # save_last="link" links last.ckpt as soon as the save call returns: a run killed before the file it
+                # names was committed (or, with a local tier, replicated) leaves the link dangling. It is a last
+                # checkpoint all the same: the file it names where the local tier holds it, else one not whole.
+                candidates[target if target in local else path] = fs
+    found = {path: fs for path, fs in candidates.items() if path in local or _exists(fs, path) or _is_link(fs, path)}
     if not found:
         return NO_CANDIDATE
     newest = _newest(found, max_age_s, local)
@@ -182,6 +191,18 @@ def _with_protocol(fs: Any, path: str) -> str:
 def _exists(fs: Any, path: str) -> bool:
     fs.invalidate_cache(path)  # our writers change storage behind this file system's listing cache
     return bool(fs.exists(path))
+
+
+def _is_link(fs: Any, path: str) -> bool:
+    """Whether ``path`` is a symbolic link on the local disk (``save_last="link"``; only local paths are linked)."""
+    return _is_local(fs) and os.path.islink(path)
+
+
+def _dangling_link_target(fs: Any, path: str) -> str | None:
+    """The path that the symbolic link ``path`` names where nothing is there (a dangling link); else None."""
+    if not _is_link(fs, path) or os.path.exists(path):
+        return None
+    return os.path.normpath(os.path.join(os.path.dirname(path), os.readlink(path)))
 
 
 def _checkpoints_in(fs: Any, directory: str) -> list[str]:
