@@ -93,7 +93,7 @@ def test_resume_after_a_kill_during_the_first_last_ckpt_flush_takes_the_newest_w
 
 _KILLED_WITH_A_LINK = textwrap.dedent(
     """
-    import os, signal, sys, threading
+    import os, signal, sys, threading, time
     import lightning as L
     from lightning_datastates import DataStatesIO
     from lightning_datastates.storage.local import LocalWriteSession
@@ -111,6 +111,11 @@ _KILLED_WITH_A_LINK = textwrap.dedent(
     class KillOnceLinked(L.Callback):
         def on_train_batch_start(self, trainer, *args):
             if trainer.global_step == 3:  # step 3 was saved and last.ckpt linked to it
+                step_2 = os.path.join(directory, "epoch=0-step=2.ckpt")
+                for _ in range(6000):  # the write of step 2 may still be in flight: it is to be whole at the kill
+                    if os.path.exists(step_2):
+                        break
+                    time.sleep(0.01)
                 os.kill(os.getpid(), signal.SIGKILL)
 
     directory = sys.argv[1]

@@ -359,8 +359,11 @@ class SnapshotEngine:
         self._pending.wait_path(path)
 
     def cancel_path(self, path: str) -> None:
-        """Drop the pending checkpoint of ``path`` (or let it finish if it is already committing) and wait."""
-        self._pending.cancel_path(path)
+        """Drop the pending checkpoint of ``path`` (or let it finish if it is already committing) and wait, then its
+        resident image (the file itself stays)."""
+        self._pending.cancel_path(path)  # first: a pending write of it would publish a resident image after the drop
+        if self.resident is not None:
+            self.resident.drop_path(path)
 
     def remove_after_pending(self, path: str, remove: Callable[[], None]) -> None:
         """Remove ``path`` (by calling ``remove``) once every checkpoint captured so far is committed.
@@ -370,9 +373,7 @@ class SnapshotEngine:
         ``path`` itself is cancelled first. If one of the awaited checkpoints fails (or one failed already and is
         not yet reported), the file is kept.
         """
-        self._pending.cancel_path(path)  # first: a pending write of it would publish a resident image after the drop
-        if self.resident is not None:
-            self.resident.drop_path(path)  # at once, even if the file itself goes only later
+        self.cancel_path(path)  # its resident image goes at once, even if the file itself goes only later
         self._pending.defer_removal(path, remove)
 
     def is_removal_deferred(self, path: str) -> bool:

@@ -195,8 +195,6 @@ class TieredCheckpoints:
             engine.remove_after_pending(path, remove_persistent)
             return
         engine.cancel_path(local_path)
-        if engine.resident is not None:
-            engine.resident.drop_path(local_path)
         engine.remove_after_pending(path, partial(self._remove_both, local_path, remove_persistent))
 
     def recover(self, engine: SnapshotEngine, persistent_directory: str) -> list[str]:
