@@ -150,8 +150,7 @@ class CheckpointPipeline:
     ) -> dict[str, Any]:
         """:meth:`load_checkpoint` of ``path`` as it is stored (a local tier's copy, or any checkpoint)."""
         if self._engine is not None:
-            # A symbolic link (save_last="link") is read through to its target: a pending save of that file counts.
-            for name in dict.fromkeys((path, path if "://" in path else os.path.realpath(path))):
+            for name in _path_and_target(path):
                 self._engine.wait_path(name)
                 self.raise_pending_failure(name)
             resident = self._engine.open_resident(path)
@@ -257,7 +256,8 @@ class CheckpointPipeline:
         path = checkpoint_path_str(path)
         if self._engine is None:
             return exists
-        return (exists or self._engine.is_pending(path)) and not self._engine.is_removal_deferred(path)
+        pending = any(self._engine.is_pending(name) for name in _path_and_target(path))
+        return (exists or pending) and not self._engine.is_removal_deferred(path)
 
     def storage_unreachable(self, path: CheckpointPath, error: Exception) -> NoReturn:
         """``ModelCheckpoint`` could not ask storage whether ``path`` exists (it picks its file names so): a store that
@@ -429,3 +429,10 @@ def trainer_pipeline(trainer: Any) -> CheckpointPipeline | None:
         return _PIPELINES.get(checkpoint_io)
     except TypeError:  # an unhashable CheckpointIO of somebody else's is not ours
         return None
+
+
+def _path_and_target(path: str) -> tuple[str, ...]:
+    """``path``, and where it is a local symbolic link (``save_last="link"``) the file it names: a pending save of
+    that file counts for the link (a load waits for it; ModelCheckpoint sees the link as existing, as it would once
+    that file is committed)."""
+    return tuple(dict.fromkeys((path, path if "://" in path else os.path.realpath(path))))

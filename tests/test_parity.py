@@ -61,6 +61,18 @@ def _checkpoint_callbacks(root: str) -> list[ModelCheckpoint]:
             every_n_train_steps=2,
             save_last="link",
         ),
+        # Two callbacks in one directory, both linking their last checkpoint: the second links last-v1.ckpt, since a
+        # link to a file still being written counts as existing, as it would once that file is committed.
+        *[
+            ModelCheckpoint(
+                dirpath=os.path.join(root, "shared"),
+                filename=f"{name}-{{step}}",
+                every_n_train_steps=every,
+                save_top_k=-1,
+                save_last="link",
+            )
+            for name, every in (("a", 1), ("b", 4))
+        ],
     ]
 
 

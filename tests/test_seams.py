@@ -18,6 +18,9 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
+import warnings
+from typing import Any
 
 import lightning as L
 import pytest
@@ -140,10 +143,104 @@ def test_a_run_killed_before_the_file_last_links_to_was_written_resumes_from_the
     resumed = _ResumedFrom()
     callbacks = [every_step_checkpoint(str(directory), save_last="link"), resumed]
     trainer = make_trainer(str(directory), DataStatesIO(), callbacks=callbacks, max_epochs=-1, max_steps=4)
-    with pytest.warns(UserWarning, match=r"no last checkpoint is whole \(.*last\.ckpt"):
+    with pytest.warns(UserWarning, match=r"the newest last checkpoint is not whole \(.*last\.ckpt"):
         trainer.fit(BNModel(), make_loader(), ckpt_path="last")
     assert resumed.ckpt_path == str(directory / "epoch=0-step=2.ckpt") and resumed.global_step == 2
     assert os.readlink(link) == "epoch=0-step=4.ckpt" and link.exists()
+
+
+def _link_layout(tmp_path, links: dict[str, str]) -> tuple[Any, Any]:
+    """A checkpoint directory holding whole ``epoch=0-step=1.ckpt`` and ``epoch=0-step=2.ckpt`` (written 100 s ago)
+    and the symbolic links ``links`` (name -> what it names), made now; a Trainer stand-in for the resolution of
+    "last" with a ``ModelCheckpoint(save_last="link")`` there."""
+    from types import SimpleNamespace
+
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    for step in (1, 2):
+        torch.save({"global_step": step}, directory / f"epoch=0-step={step}.ckpt")
+        stamp = time.time() - 100 + step
+        os.utime(directory / f"epoch=0-step={step}.ckpt", (stamp, stamp))
+    for name, target in links.items():
+        os.symlink(target, directory / name)
+    callback = ModelCheckpoint(dirpath=str(directory), save_last="link")
+    return directory, SimpleNamespace(callbacks=[callback], checkpoint_callbacks=[callback])
+
+
+@pytest.mark.parametrize(
+    "links",
+    [
+        {"last.ckpt": "/nonexistent/elsewhere.ckpt"},
+        {"last.ckpt": "last-v1.ckpt", "last-v1.ckpt": "last.ckpt"},  # a loop
+        {"last.ckpt": "epoch=0-step=2.ckpt/x"},  # through a file
+        {"last.ckpt": "last-v1.ckpt", "last-v1.ckpt": "epoch=0-step=3.ckpt"},  # a chain to a file not written
+    ],
+    ids=["outside", "loop", "through-a-file", "chain"],
+)
+def test_last_takes_the_newest_whole_checkpoint_when_every_last_link_leads_nowhere(tmp_path, links):
+    from lightning_datastates.compat.last_checkpoint import newest_last_checkpoint
+
+    directory, trainer = _link_layout(tmp_path, links)
+    with pytest.warns(UserWarning, match=r"the newest last checkpoint is not whole"):
+        assert newest_last_checkpoint(trainer, 3600.0) == str(directory / "epoch=0-step=2.ckpt")  # type: ignore[arg-type]
+
+
+def test_last_follows_a_chain_of_links_to_the_local_tiers_copy(tmp_path):
+    from lightning_datastates.compat.last_checkpoint import newest_last_checkpoint
+
+    directory, trainer = _link_layout(tmp_path, {"last.ckpt": "last-v1.ckpt", "last-v1.ckpt": "epoch=0-step=3.ckpt"})
+    step_3 = str(directory / "epoch=0-step=3.ckpt")
+    # Copied locally a second before the links were made: the links stand for it, the newest checkpoint.
+    local = {step_3: time.time() - 1}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # whole: no fallback, no warning
+        assert newest_last_checkpoint(trainer, 3600.0, lambda _: local) == step_3  # type: ignore[arg-type]
+
+
+def test_a_local_copy_of_a_file_a_last_link_replaced_is_not_taken_for_that_link(tmp_path):
+    """The local tier still holds a copy of ``last.ckpt`` saved as a file (``save_last=True``) by an earlier run; a
+    later run with ``save_last="link"`` replaced it by a link, and was killed before the file it names was written
+    anywhere. That copy is not the link's checkpoint: the newest whole checkpoint is taken, with a warning."""
+    from lightning_datastates.compat.last_checkpoint import newest_last_checkpoint
+
+    directory, trainer = _link_layout(tmp_path, {"last.ckpt": "epoch=0-step=3.ckpt"})
+    local = {str(directory / "last.ckpt"): time.time() - 50}
+    with pytest.warns(UserWarning, match=r"the newest last checkpoint is not whole"):
+        found = newest_last_checkpoint(trainer, 3600.0, lambda _: local)  # type: ignore[arg-type]
+    assert found == str(directory / "epoch=0-step=2.ckpt")
+
+
+def test_last_takes_a_newer_whole_checkpoint_over_an_older_last_when_the_newest_last_link_leads_nowhere(tmp_path):
+    """A run saved a whole ``last.ckpt``; a later run with ``save_last="link"`` got ``last-v1.ckpt`` and was killed
+    before the file it links to was written: its newer whole checkpoints win over the older ``last.ckpt``."""
+    from lightning_datastates.compat.last_checkpoint import newest_last_checkpoint
+
+    directory, trainer = _link_layout(tmp_path, {"last-v1.ckpt": "epoch=0-step=3.ckpt"})
+    torch.save({"global_step": 0}, directory / "last.ckpt")
+    older = time.time() - 200
+    os.utime(directory / "last.ckpt", (older, older))
+    with pytest.warns(UserWarning, match=r"not whole \(.*last-v1\.ckpt"):
+        assert newest_last_checkpoint(trainer, 3600.0) == str(directory / "epoch=0-step=2.ckpt")  # type: ignore[arg-type]
+    os.unlink(directory / "last-v1.ckpt")  # without the link: the whole last.ckpt, as Lightning takes it
+    assert newest_last_checkpoint(trainer, 3600.0) == str(directory / "last.ckpt")  # type: ignore[arg-type]
+
+
+def test_last_looks_for_whole_checkpoints_where_lightning_derives_the_directory(tmp_path):
+    """``ModelCheckpoint()`` without ``dirpath``: before setup derives it (``default_root_dir/checkpoints`` here), a
+    dangling link there falls back to the whole checkpoints beside it."""
+    from types import SimpleNamespace
+
+    from lightning_datastates.compat.last_checkpoint import newest_last_checkpoint
+
+    directory, _ = _link_layout(tmp_path, {"last.ckpt": "epoch=0-step=3.ckpt"})
+    directory.rename(tmp_path / "checkpoints")
+    callback = ModelCheckpoint(save_last="link")
+    trainer = SimpleNamespace(
+        callbacks=[callback], checkpoint_callbacks=[callback], loggers=[], default_root_dir=str(tmp_path)
+    )
+    with pytest.warns(UserWarning, match=r"the newest last checkpoint is not whole"):
+        found = newest_last_checkpoint(trainer, 3600.0)  # type: ignore[arg-type]
+    assert found == str(tmp_path / "checkpoints" / "epoch=0-step=2.ckpt")
 
 
 # ---------------------------------------------------------------------------------------------- removals

@@ -417,7 +417,7 @@ _FULL_LOCAL_TIER_SCRIPT = textwrap.dedent(
     try:
         trainer.fit(BNModel(), make_loader())
     except CheckpointFlushError as exc:
-        error = {"message": str(exc), "errno": getattr(exc.__cause__, "errno", None)}
+        error = {"message": str(exc), "path": exc.path, "errno": getattr(exc.__cause__, "errno", None)}
     files = sorted(n for n in os.listdir(persist) if n.endswith(".ckpt"))
     for name in files:  # every persistent file is whole and equals the state of its step
         path = os.path.join(persist, name)
@@ -437,7 +437,7 @@ def test_a_full_local_tier_is_an_error_naming_local_tier_and_local_keep(tmp_path
     persist, local = tmp_path / "persist", tmp_path / "local"
     outcome = run_script(_FULL_LOCAL_TIER_SCRIPT, str(persist), str(local))
     error = outcome["error"]
-    assert error is not None and error["errno"] == 27
+    assert error is not None and error["errno"] == 27 and error["path"] == str(persist / "epoch=0-step=3.ckpt")
     assert f"writing the local copy of {persist / 'epoch=0-step=3.ckpt'}" in error["message"]
     assert f"local_tier={str(local)!r}" in error["message"] and "local_keep=2" in error["message"]
     # The failure is raised at the first hook after the write failed: step 4 may have been saved meanwhile.

@@ -54,6 +54,8 @@ from lightning_datastates.records.names import COMMIT_RECORD_NAME, LIGHTNING_MET
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
 
+#: Links followed at most from a last checkpoint's link (Linux's own limit for one path).
+_MAX_LINKS = 40
 #: Marks the wrapper, so that it is installed once.
 _WRAPPED = "_lightning_datastates_resolves_last"
 
@@ -106,9 +108,11 @@ def newest_last_checkpoint(
 ) -> Any:
     """The newest whole one of the Trainer's last checkpoints (``last.ckpt`` and its versions in each
     ``ModelCheckpoint``'s directory, and each ``OnExceptionCheckpoint``'s file), with its protocol; where some exist
-    but none is whole, the newest whole checkpoint in those directories (None if there is none either);
-    :data:`NO_CANDIDATE` if there is no last checkpoint at all. ``max_age_s``: the plugin's ``stale_after_s``, which
-    tells whether the cleanup at setup will complete a directory whose switch a dead run left half-way.
+    but none is whole, or a ``last.ckpt`` link that leads nowhere was made after the newest whole one, the newest
+    whole checkpoint in those directories, with a warning (None if there is none either); :data:`NO_CANDIDATE` if
+    there is no last checkpoint at all. ``max_age_s``: the plugin's ``stale_after_s``, which tells whether the cleanup
+    at setup will complete a directory whose switch a dead run left half-way. A ``ModelCheckpoint`` without
+    ``dirpath`` is looked at where Lightning's setup will derive it.
 
     With ``local_copies`` (a local tier), a checkpoint counts where either tier holds it, dated by its newest copy: a
     last checkpoint durable on the local tier whose replication a dead run did not finish is found all the same (its
@@ -116,36 +120,53 @@ def newest_last_checkpoint(
     candidates: dict[str, Any] = {}
     directories: dict[str, Any] = {}
     local: dict[str, float] = {}  # persistent path -> its local copy's modification time
+    dangling: dict[str, float] = {}  # a last.ckpt link to a file neither tier holds -> when it was made
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         path = getattr(callback, "ckpt_path", None) if isinstance(callback, OnExceptionCheckpoint) else None
         if path:  # as Lightning reads it
             candidates[str(path)] = get_filesystem(path)
-    for callback in trainer.checkpoint_callbacks:
-        if isinstance(callback, ModelCheckpoint):
-            fs = callback._fs
-            if callback.dirpath is not None:
-                # Our writers change storage behind this file system's listing cache (filled by ModelCheckpoint's own
-                # listings, at setup): a last checkpoint written since would not be listed.
-                fs.invalidate_cache(str(callback.dirpath))
-                directories[str(callback.dirpath)] = fs
-            if local_copies is not None and callback.dirpath is not None:
-                copies = local_copies(str(callback.dirpath))
-                local.update(copies)
-                for path in copies:
-                    if _is_last_name(callback, path):
-                        candidates[path] = fs
-            for path in callback._find_last_checkpoints(trainer):
-                path = _with_protocol(fs, path)
-                target = _dangling_link_target(fs, path)
-                # save_last="link" links last.ckpt as soon as the save call returns: a run killed before the file it
-                # names was committed (or, with a local tier, replicated) leaves the link dangling. It is a last
-                # checkpoint all the same: the file it names where the local tier holds it, else one not whole.
-                candidates[target if target in local else path] = fs
-    found = {path: fs for path, fs in candidates.items() if path in local or _exists(fs, path) or _is_link(fs, path)}
+    checkpoint_callbacks = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
+    for callback in checkpoint_callbacks:
+        fs = callback._fs
+        directory = _checkpoint_dir(callback, trainer)
+        if directory is not None:
+            # Our writers change storage behind this file system's listing cache (filled by ModelCheckpoint's own
+            # listings, at setup): a last checkpoint written since would not be listed.
+            fs.invalidate_cache(directory)
+            directories[directory] = fs
+        if local_copies is not None and directory is not None:
+            copies = local_copies(directory)
+            local.update(copies)
+            for path in copies:
+                if _is_last_name(callback, path):
+                    candidates[path] = fs
+    for callback in checkpoint_callbacks:  # once every local copy is known (callbacks may share a directory)
+        fs = callback._fs
+        for path in callback._find_last_checkpoints(trainer):
+            path = _with_protocol(fs, path)
+            candidates[path] = fs
+            if not _is_link(fs, path):
+                continue
+            # save_last="link": the link replaced whatever file had this name (a local copy of that file is not
+            # this checkpoint), and it is made as soon as the save call returns: a run killed before the file it
+            # names was committed (or, with a local tier, replicated) leaves it dangling. It then stands for the
+            # file it names where the local tier holds that, else for a last checkpoint that is not whole.
+            local.pop(path, None)
+            target = _dangling_link_target(path)
+            if target in local:
+                del candidates[path]
+                candidates[target] = fs
+            elif target is not None:
+                dangling[path] = os.lstat(path).st_mtime
+    found = {path: fs for path, fs in candidates.items() if path in local or path in dangling or _exists(fs, path)}
     if not found:
         return NO_CANDIDATE
-    newest = _newest(found, max_age_s, local)
-    if newest is not None:
+    dated = _whole_and_dated(found, max_age_s, local)
+    newest = max(dated, key=lambda path: dated[path]) if dated else None
+    # A dangling link newer than every whole last checkpoint: its save was the newest, and the newest whole
+    # checkpoint of the directories may be newer than those (save_last="link" after a run that saved last.ckpt).
+    broken = sorted(path for path, stamp in dangling.items() if newest is None or stamp > dated[newest])
+    if newest is not None and not broken:
         return newest
     others = {
         _with_protocol(fs, entry): fs
@@ -153,18 +174,19 @@ def newest_last_checkpoint(
         for entry in _checkpoints_in(fs, directory)
     }
     others.update({path: directories.get(path.rsplit("/", 1)[0]) for path in local})
-    newest = _newest(others, max_age_s, local)
-    if newest is not None:
+    whole = _whole_and_dated(others, max_age_s, local)
+    fallback = max(whole, key=lambda path: whole[path]) if whole else None
+    if fallback is not None:
         rank_zero_warn(
-            f'ckpt_path="last": no last checkpoint is whole ({", ".join(sorted(found))}: a run died saving it); '
-            f"resuming from the newest whole checkpoint instead, {newest}"
+            f'ckpt_path="last": the newest last checkpoint is not whole ({", ".join(broken or sorted(found))}: a run '
+            f"died saving it); resuming from the newest whole checkpoint instead, {fallback}"
         )
-    return newest
+    return fallback
 
 
-def _newest(candidates: dict[str, Any], max_age_s: float, local: dict[str, float] | None = None) -> str | None:
-    """The candidate last written, on either tier (``local``: local copies' times, by persistent path)."""
-    local = local or {}
+def _whole_and_dated(candidates: dict[str, Any], max_age_s: float, local: dict[str, float]) -> dict[str, float]:
+    """The candidates holding a whole checkpoint on either tier, each with when it was last written there
+    (``local``: local copies' times, by persistent path)."""
     dated = {}
     for path, fs in candidates.items():
         stamps = [local[path]] if path in local else []
@@ -172,7 +194,17 @@ def _newest(candidates: dict[str, Any], max_age_s: float, local: dict[str, float
             stamps.append(stamp)
         if stamps:
             dated[path] = max(stamps)
-    return max(dated, key=lambda path: dated[path]) if dated else None
+    return dated
+
+
+def _checkpoint_dir(callback: ModelCheckpoint, trainer: Trainer) -> str | None:
+    """``callback``'s directory: its ``dirpath``, or, before its setup derives that (from the logger or
+    ``default_root_dir``), the directory Lightning's ``_find_last_checkpoints`` looks in (its private
+    ``__resolve_ckpt_dir``); None where this Lightning has no such method."""
+    if callback.dirpath is not None:
+        return str(callback.dirpath)
+    resolve = getattr(callback, "_ModelCheckpoint__resolve_ckpt_dir", None)
+    return None if resolve is None else str(resolve(trainer))
 
 
 def _is_last_name(callback: ModelCheckpoint, path: str) -> bool:
@@ -198,11 +230,19 @@ def _is_link(fs: Any, path: str) -> bool:
     return _is_local(fs) and os.path.islink(path)
 
 
-def _dangling_link_target(fs: Any, path: str) -> str | None:
-    """The path that the symbolic link ``path`` names where nothing is there (a dangling link); else None."""
-    if not _is_link(fs, path) or os.path.exists(path):
+def _dangling_link_target(path: str) -> str | None:
+    """Where the local symbolic link ``path`` leads when nothing is there (a dangling link: the end of its chain of
+    links, named from the link's directory as ModelCheckpoint named it; a loop: one of its links); else None."""
+    if os.path.exists(path):
         return None
-    return os.path.normpath(os.path.join(os.path.dirname(path), os.readlink(path)))
+    target = path
+    for _ in range(_MAX_LINKS):
+        try:
+            name = os.readlink(target)
+        except OSError:  # not a link: the missing end of the chain (or a path through a file)
+            return target
+        target = os.path.normpath(os.path.join(os.path.dirname(target), name))
+    return target
 
 
 def _checkpoints_in(fs: Any, directory: str) -> list[str]:
@@ -226,6 +266,10 @@ def _modified_s(fs: Any, path: str, max_age_s: float) -> float | None:
         return _modified_or_fail(fs, path, max_age_s)
     except FileNotFoundError:
         return None  # gone since it was found
+    except OSError:
+        if _is_link(fs, path):
+            return None  # a link that leads nowhere (a loop, through a file): no checkpoint there
+        raise
 
 
 def _modified_or_fail(fs: Any, path: str, max_age_s: float) -> float | None:

@@ -408,7 +408,7 @@ def local_write_error(
         )
     else:
         message = f"{where} (local_tier={config.local_tier!r}): {exc!r}"
-    error = CheckpointFlushError(message, local_path)
+    error = CheckpointFlushError(message, persistent_path)  # the checkpoint's name, as ModelCheckpoint gave it
     error.__cause__ = exc
     return error
 
