@@ -7,9 +7,11 @@ The server runs as its own process (``moto_server``), so it does not share the c
 median of ``--repeats`` runs. Upload: ``S3Writer`` fed from a bytes buffer by 4 threads in 64 MiB ranges (as the
 engine's writer threads feed it), begin to complete, vs ``fs.pipe_file(key, data)`` with s3fs's defaults. Load:
 ``reader.load_checkpoint`` (concurrent ranged GETs into an in-memory file, CRC-32 check, mapped ``torch.load``) vs
-``torch.load(fs.open(path, "rb"))``. Loopback moto is CPU-bound (the server parses and stores every byte, the
-client SHA-256-signs every payload over plain HTTP), so absolute numbers say little about real S3; the
-comparison between drivers on the same machine is the point.
+``torch.load(fs.open(path, "rb"))``. For each part size, boto3's own multipart transfer (``upload_fileobj`` from
+memory, parts of that size, as many at once as the widest window): the raw upload the benchmark's ``repl vs raw``
+is measured against (python -m lightning_datastates.benchmark --moto). Loopback moto is CPU-bound (the server
+parses and stores every byte, the client SHA-256-signs every payload over plain HTTP), so absolute numbers say little
+about real S3; the comparison between drivers on the same machine is the point.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -87,6 +90,20 @@ def _upload_with_writer(writer: S3Writer, path: str, data: bytes) -> None:
     session.complete()
 
 
+def _upload_with_boto3(client: Any, bucket: str, key: str, data: bytes, part_bytes: int, concurrency: int) -> None:
+    """boto3's managed multipart upload of ``data`` from memory (its classic transfer manager, threads)."""
+    from boto3.s3.transfer import TransferConfig
+
+    config = TransferConfig(
+        multipart_threshold=part_bytes,
+        multipart_chunksize=part_bytes,
+        max_concurrency=concurrency,
+        use_threads=True,
+        preferred_transfer_client="classic",
+    )
+    client.upload_fileobj(io.BytesIO(data), bucket, key, Config=config)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mib", type=int, default=256)
@@ -129,6 +146,10 @@ def main() -> None:
             baseline = Timing(lambda: fs.pipe_file(f"{env.bucket}/{key}", data), args.repeats, clean)
             print(f"| s3fs pipe_file (defaults) | 50 MiB | 1 | {baseline.row(args.size_mib)} |")
         for part_mib in args.part_mib:
+            window = max(args.concurrency)
+            upload = functools.partial(_upload_with_boto3, env.client, env.bucket, key, data, part_mib * MiB, window)
+            timing = Timing(upload, args.repeats, clean)
+            print(f"| boto3 upload_fileobj (from memory) | {part_mib} MiB | {window} | {timing.row(args.size_mib)} |")
             for window in args.concurrency:
                 writer = S3Writer(env.storage_options, part_size_bytes=part_mib * MiB, max_concurrent_parts=window)
                 # Each writer owns its clients: build them and run each multipart call once, untimed (botocore

@@ -88,6 +88,26 @@ def test_local_committed_file_permissions_follow_the_umask(ckpt_dir: Path) -> No
     assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
 
 
+def test_a_committed_file_is_dated_by_its_save_not_by_its_last_write(ckpt_dir: Path) -> None:
+    """Two saves whose writes overlap and end in the opposite order: each file's modification time is when its save
+    began, so anything that goes by modification time (Lightning's "last", the newest whole checkpoint after a
+    crash) sees the saves' order."""
+    writer = LocalWriter()
+    before = time.time_ns()
+    first = writer.begin(str(ckpt_dir / "epoch=0-step=1.ckpt"), 4)
+    time.sleep(0.05)
+    second = writer.begin(str(ckpt_dir / "epoch=0-step=2.ckpt"), 4)
+    second.write_range(0, memoryview(b"bbbb"))
+    second.complete()
+    time.sleep(0.05)
+    first.write_range(0, memoryview(b"aaaa"))  # the first save's last write ends after the second's commit
+    first.complete()
+    first_ns = os.stat(ckpt_dir / "epoch=0-step=1.ckpt").st_mtime_ns
+    second_ns = os.stat(ckpt_dir / "epoch=0-step=2.ckpt").st_mtime_ns
+    assert before <= first_ns < second_ns
+    assert second_ns - first_ns >= 40_000_000  # the time between the two begins, not between the two commits
+
+
 def test_local_begin_on_a_directory_raises(ckpt_dir: Path) -> None:
     (ckpt_dir / "dir.ckpt").mkdir()
     with pytest.raises(IsADirectoryError):

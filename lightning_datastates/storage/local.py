@@ -158,6 +158,7 @@ class LocalWriteSession(PositionalFileSession):
     ) -> None:
         super().__init__(path, fd, direct_fd, warn_refused)
         self.temp_path = temp_path
+        self._begun_ns = time.time_ns()  # at the save call (begin runs on the training thread, at capture)
         # One fstat per session: the descriptor itself says whether it still needs a name (no flag to pass along).
         self.unnamed = os.fstat(fd).st_nlink == 0
 
@@ -174,6 +175,11 @@ class LocalWriteSession(PositionalFileSession):
             if fd is None:
                 raise RuntimeError(f"{self.path}: session already ended")
             try:
+                # Modified when its save began, not when its last write ended: the writes of overlapping saves end in
+                # any order, and what goes by modification time (Lightning's "last" among several, the newest whole
+                # checkpoint after a crash, the local tier's retention) must see the saves' order, as with
+                # synchronous saves.
+                os.utime(fd, ns=(self._begun_ns, self._begun_ns))
                 # The bytes are durable before the name points at them. With delayed allocation (NFS, XFS, ...) a
                 # full disk is reported only here.
                 with out_of_space_named(self.path):
