@@ -108,6 +108,21 @@ def test_a_committed_file_is_dated_by_its_save_not_by_its_last_write(ckpt_dir: P
     assert second_ns - first_ns >= 40_000_000  # the time between the two begins, not between the two commits
 
 
+def test_a_file_that_cannot_be_dated_is_committed_all_the_same(ckpt_dir: Path, monkeypatch) -> None:
+    """Only a file's owner may set its time (a mount that gives new files a fixed owner refuses it): the commit goes
+    on, the file dated by its last write."""
+    import lightning_datastates.storage.local as local_module
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(local_module.os, "utime", refused)
+    session = LocalWriter().begin(str(ckpt_dir / "a.ckpt"), 4)
+    session.write_range(0, memoryview(b"aaaa"))
+    session.complete()
+    assert (ckpt_dir / "a.ckpt").read_bytes() == b"aaaa"
+
+
 def test_local_begin_on_a_directory_raises(ckpt_dir: Path) -> None:
     (ckpt_dir / "dir.ckpt").mkdir()
     with pytest.raises(IsADirectoryError):

@@ -225,6 +225,42 @@ def test_last_takes_a_newer_whole_checkpoint_over_an_older_last_when_the_newest_
     assert newest_last_checkpoint(trainer, 3600.0) == str(directory / "last.ckpt")  # type: ignore[arg-type]
 
 
+def test_last_dates_a_checkpoint_by_its_local_copy_where_the_local_tier_holds_one(tmp_path):
+    """Persistent copies are dated by their copy (S3: by the upload's start), in the order the local writes ended:
+    step 1's was copied after step 2's. Its local copy says when it was saved, and the newest whole one is step 2."""
+    from lightning_datastates.compat.last_checkpoint import newest_last_checkpoint
+
+    directory, trainer = _link_layout(tmp_path, {"last.ckpt": "epoch=0-step=3.ckpt"})
+    step_1, step_2 = str(directory / "epoch=0-step=1.ckpt"), str(directory / "epoch=0-step=2.ckpt")
+    copied_late = time.time() - 50
+    os.utime(step_1, (copied_late, copied_late))
+    local = {step_1: time.time() - 99, step_2: time.time() - 98}
+    with pytest.warns(UserWarning, match=r"the newest last checkpoint is not whole"):
+        assert newest_last_checkpoint(trainer, 3600.0, lambda _: local) == step_2  # type: ignore[arg-type]
+
+
+def test_last_falls_back_to_an_on_exception_checkpoint_outside_the_checkpoint_directory(tmp_path):
+    """An ``OnExceptionCheckpoint`` file (its own directory) is whole; the ``ModelCheckpoint`` directory holds only a
+    newer link that leads nowhere: the fallback takes the whole file, not none."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    from lightning_datastates.compat.last_checkpoint import newest_last_checkpoint
+
+    on_exception = OnExceptionCheckpoint(str(tmp_path / "exc"))
+    os.makedirs(tmp_path / "exc")
+    torch.save({"global_step": 5}, on_exception.ckpt_path)
+    older = time.time() - 100
+    os.utime(on_exception.ckpt_path, (older, older))
+    os.makedirs(tmp_path / "ckpt")
+    os.symlink("epoch=0-step=9.ckpt", tmp_path / "ckpt" / "last.ckpt")
+    callback = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last="link")
+    trainer = SimpleNamespace(callbacks=[on_exception, callback], checkpoint_callbacks=[callback])
+    with pytest.warns(UserWarning, match=r"the newest last checkpoint is not whole"):
+        assert newest_last_checkpoint(trainer, 3600.0) == on_exception.ckpt_path  # type: ignore[arg-type]
+
+
 def test_last_looks_for_whole_checkpoints_where_lightning_derives_the_directory(tmp_path):
     """``ModelCheckpoint()`` without ``dirpath``: before setup derives it (``default_root_dir/checkpoints`` here), a
     dangling link there falls back to the whole checkpoints beside it."""

@@ -141,6 +141,18 @@ class _StepLogging(BNModel):
         return super().training_step(batch, batch_idx)
 
 
+def test_a_replicated_file_is_dated_as_its_local_copy(tmp_path):
+    """Both copies carry the time of their save (the persistent one is written later, in the order the local writes
+    ended): what goes by modification time sees the saves' order on either tier."""
+    tier, persist = tmp_path / "local", tmp_path / "persist"
+    _fit(tmp_path, DataStatesIO(local_tier=str(tier), **SMALL), str(persist))
+    local = _local_dir(tier)
+    copies = _copies(local)
+    assert copies
+    for name in copies:
+        assert os.stat(persist / name).st_mtime_ns == os.stat(local / name).st_mtime_ns, name
+
+
 @pytest.mark.parametrize("keep", [0, 100])
 def test_local_keep_bounds_the_local_copies(tmp_path, keep):
     tier = tmp_path / "local"

@@ -174,7 +174,7 @@ def newest_last_checkpoint(
         for entry in _checkpoints_in(fs, directory)
     }
     others.update({path: directories.get(path.rsplit("/", 1)[0]) for path in local})
-    whole = _whole_and_dated(others, max_age_s, local)
+    whole = {**_whole_and_dated(others, max_age_s, local), **dated}  # an OnExceptionCheckpoint's file may be elsewhere
     fallback = max(whole, key=lambda path: whole[path]) if whole else None
     if fallback is not None:
         rank_zero_warn(
@@ -185,15 +185,16 @@ def newest_last_checkpoint(
 
 
 def _whole_and_dated(candidates: dict[str, Any], max_age_s: float, local: dict[str, float]) -> dict[str, float]:
-    """The candidates holding a whole checkpoint on either tier, each with when it was last written there
-    (``local``: local copies' times, by persistent path)."""
+    """The candidates holding a whole checkpoint on either tier, each with when it was saved: its local copy's time
+    where the local tier holds one (``local``, by persistent path: the time of its save), else the persistent
+    file's. A persistent copy is dated by its copy, in the order the local writes ended (S3: by its upload's start),
+    which is not always the saves' order."""
     dated = {}
     for path, fs in candidates.items():
-        stamps = [local[path]] if path in local else []
-        if fs is not None and (stamp := _modified_s(fs, path, max_age_s)) is not None:
-            stamps.append(stamp)
-        if stamps:
-            dated[path] = max(stamps)
+        if path in local:
+            dated[path] = local[path]
+        elif fs is not None and (stamp := _modified_s(fs, path, max_age_s)) is not None:
+            dated[path] = stamp
     return dated
 
 

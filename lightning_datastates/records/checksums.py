@@ -231,6 +231,10 @@ class ChecksummingSession(WriteSession):
                 )
         self.inner.complete()
 
+    def date(self, modified_ns: int) -> None:
+        """Date the file (see the wrapped session)."""
+        self.inner.date(modified_ns)
+
     def abort(self) -> None:
         """Discard the file (see the wrapped session)."""
         self.inner.abort()

@@ -31,6 +31,11 @@ class WriteSession(ABC):
         it instead of reading the bytes again (see :mod:`~lightning_datastates.records.checksums`), others ignore it."""
         self.write_range(offset, data)
 
+    def date(self, modified_ns: int) -> None:  # noqa: B027 - optional: a no-op where files carry no settable time
+        """Give the file the modification time ``modified_ns`` (ns since the epoch) at :meth:`complete`, instead of
+        the time the session began (a copy keeps its original's date); backends that cannot date a file ignore it
+        (S3 dates an object by its upload)."""
+
     @abstractmethod
     def complete(self) -> None:
         """Make the file durable and visible under its final name, atomically."""

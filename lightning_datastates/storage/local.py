@@ -158,13 +158,28 @@ class LocalWriteSession(PositionalFileSession):
     ) -> None:
         super().__init__(path, fd, direct_fd, warn_refused)
         self.temp_path = temp_path
-        self._begun_ns = time.time_ns()  # at the save call (begin runs on the training thread, at capture)
+        self._dated_ns = time.time_ns()  # at the save call (begin runs on the training thread, at capture)
         # One fstat per session: the descriptor itself says whether it still needs a name (no flag to pass along).
         self.unnamed = os.fstat(fd).st_nlink == 0
 
+    def date(self, modified_ns: int) -> None:
+        """The file is dated ``modified_ns`` (ns since the epoch) at :meth:`complete`, not when this session began."""
+        self._dated_ns = modified_ns
+
+    def _set_date(self, fd: int) -> None:
+        """Date the file by its save, not by its last write: the writes of overlapping saves end in any order, and
+        what goes by modification time (Lightning's "last" among several, the newest whole checkpoint after a
+        crash, the local tier's retention) must see the saves' order, as with synchronous saves. Best effort: only
+        the file's owner may set a time (a mount that gives new files a fixed owner refuses it), and a checkpoint
+        dated by its last write is still whole."""
+        try:
+            os.utime(fd, ns=(self._dated_ns, self._dated_ns))
+        except OSError as exc:
+            log.debug("lightning_datastates: cannot date %s by its save (%s)", self.path, exc)
+
     def complete(self) -> None:
-        """fsync the file, give an unnamed file its temporary name, rename it onto the final name, fsync the
-        directory.
+        """fsync the file, date it by its save (:meth:`date`), give an unnamed file its temporary name, rename it
+        onto the final name, fsync the directory.
 
         Raises:
             OSError: the fsync (a full disk says so and names the path), the link or the rename failed; nothing is
@@ -175,15 +190,12 @@ class LocalWriteSession(PositionalFileSession):
             if fd is None:
                 raise RuntimeError(f"{self.path}: session already ended")
             try:
-                # Modified when its save began, not when its last write ended: the writes of overlapping saves end in
-                # any order, and what goes by modification time (Lightning's "last" among several, the newest whole
-                # checkpoint after a crash, the local tier's retention) must see the saves' order, as with
-                # synchronous saves.
-                os.utime(fd, ns=(self._begun_ns, self._begun_ns))
                 # The bytes are durable before the name points at them. With delayed allocation (NFS, XFS, ...) a
                 # full disk is reported only here.
                 with out_of_space_named(self.path):
                     os.fsync(fd)
+                # After the fsync: until then the writes keep a named temporary file young for clean_stale.
+                self._set_date(fd)
                 if self.unnamed:
                     _link_unnamed(fd, self.temp_path, self.path)  # needs the descriptor open: before the close
                     self.unnamed = False  # named now: an abort after a failed rename removes the name

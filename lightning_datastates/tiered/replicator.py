@@ -64,6 +64,7 @@ class Replication:
     fd: int | None = None
     fingerprint: Hashable | None = None
     size: int = 0
+    modified_ns: int | None = None  # the local copy's date (its save's): the persistent copy gets it too
     open_error: OSError | None = None
     #: The persistent file's fingerprint once committed (what the local copy is a replica of), for the caller.
     persistent_fingerprint: Hashable | None = None
@@ -170,8 +171,9 @@ class Replicator:
     def _open(self, item: Replication) -> None:
         try:
             item.fd = os.open(item.local_path, os.O_RDONLY | os.O_CLOEXEC)
+            info = os.fstat(item.fd)
             item.fingerprint = file_fingerprint(item.fd)
-            item.size = os.fstat(item.fd).st_size
+            item.size, item.modified_ns = info.st_size, info.st_mtime_ns
         except OSError as exc:
             item.open_error = exc
 
@@ -294,6 +296,8 @@ class Replicator:
                         done.result()
             if item.entry.cancel_requested:
                 raise _Cancelled
+            if item.modified_ns is not None:
+                session.date(item.modified_ns)
             session.complete()
         except _Cancelled:
             _abort(session, item)
