@@ -114,9 +114,10 @@ def newest_last_checkpoint(
     at setup will complete a directory whose switch a dead run left half-way. A ``ModelCheckpoint`` without
     ``dirpath`` is looked at where Lightning's setup will derive it.
 
-    With ``local_copies`` (a local tier), a checkpoint counts where either tier holds it, dated by its newest copy: a
-    last checkpoint durable on the local tier whose replication a dead run did not finish is found all the same (its
-    persistent path is returned; the plugin loads its local copy)."""
+    With ``local_copies`` (a local tier), a checkpoint counts where either tier holds it, dated by its local copy
+    where there is one (:func:`_whole_and_dated`): a last checkpoint durable on the local tier whose replication a
+    dead run did not finish is found all the same (its persistent path is returned; the plugin loads its local
+    copy)."""
     candidates: dict[str, Any] = {}
     directories: dict[str, Any] = {}
     local: dict[str, float] = {}  # persistent path -> its local copy's modification time
@@ -162,7 +163,7 @@ def newest_last_checkpoint(
     if not found:
         return NO_CANDIDATE
     dated = _whole_and_dated(found, max_age_s, local)
-    newest = max(dated, key=lambda path: dated[path]) if dated else None
+    newest = max(dated, key=dated.__getitem__, default=None)
     # A dangling link newer than every whole last checkpoint: its save was the newest, and the newest whole
     # checkpoint of the directories may be newer than those (save_last="link" after a run that saved last.ckpt).
     broken = sorted(path for path, stamp in dangling.items() if newest is None or stamp > dated[newest])
@@ -174,8 +175,11 @@ def newest_last_checkpoint(
         for entry in _checkpoints_in(fs, directory)
     }
     others.update({path: directories.get(path.rsplit("/", 1)[0]) for path in local})
-    whole = {**_whole_and_dated(others, max_age_s, local), **dated}  # an OnExceptionCheckpoint's file may be elsewhere
-    fallback = max(whole, key=lambda path: whole[path]) if whole else None
+    # The candidates were dated above (one request each on S3): not again. Those outside the directories (an
+    # OnExceptionCheckpoint's file) count as well.
+    others = {path: fs for path, fs in others.items() if path not in found}
+    whole = {**_whole_and_dated(others, max_age_s, local), **dated}
+    fallback = max(whole, key=whole.__getitem__, default=None)
     if fallback is not None:
         rank_zero_warn(
             f'ckpt_path="last": the newest last checkpoint is not whole ({", ".join(broken or sorted(found))}: a run '
