@@ -13,7 +13,7 @@ The plugin adds it to the Trainers that save through a ``DataStatesIO`` (:func:`
 :mod:`~lightning_datastates.compat.trainer_hooks` when Lightning builds a Trainer's callbacks); no other Trainer sees
 it. It keeps no state in checkpoints and tolerates being passed explicitly as well (the first instance to set up drives
 the plugin, the others stay idle). It knows the plugin only through its pipeline
-(:func:`~lightning_datastates.pipeline.trainer_pipeline`). No storage here.
+(:func:`~lightning_datastates.registry.trainer_pipeline`). No storage here.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import itertools
 import logging
 import sys
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import torch
@@ -29,13 +30,19 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_datastates.capture.admission import state_request_bytes
-from lightning_datastates.compat.lightning import override_file_exists, restore_file_exists
+from lightning_datastates.compat.lightning import (
+    override_file_exists,
+    restore_file_exists,
+    unwrap_checkpoint_io,
+    wait_for_queued_saves,
+)
 from lightning_datastates.compat.torch import local_shard, persistent_buffers, storage_identity
 from lightning_datastates.compat.trainer_hooks import is_logging_step
 from lightning_datastates.copy.pinning import cuda_device_of
 from lightning_datastates.metrics import CheckpointMetrics
-from lightning_datastates.pipeline import CheckpointPipeline, trainer_pipeline
+from lightning_datastates.pipeline import CheckpointPipeline
 from lightning_datastates.progress import drain_on_interrupt, drain_with_progress
+from lightning_datastates.registry import trainer_pipeline
 from lightning_datastates.sharded.lightning import saves_with_dcp
 from lightning_datastates.snapshot.engine import LazyPredicate
 from lightning_datastates.strategies import bypass_reason, gathers_full_state, warn_if_bypassed
@@ -68,6 +75,9 @@ class DataStatesCallback(Callback):
         if pipeline is None or not pipeline.attach(self):
             return
         self._pipeline, self._trainer = pipeline, trainer
+        if trainer.strategy.checkpoint_io is not unwrap_checkpoint_io(trainer.strategy.checkpoint_io):
+            # AsyncCheckpointIO(DataStatesIO()): its saves reach the plugin later, on its own thread.
+            pipeline.wait_for_queued_saves = partial(wait_for_queued_saves, trainer.strategy.checkpoint_io)
         pipeline.check_tiered(trainer)  # a local tier on several nodes: refused before anything is saved
         if saves_with_dcp(trainer.strategy):
             pipeline.enable_sharded(trainer.strategy)  # sharded FSDP and ModelParallel save through DCP: take them over
@@ -125,6 +135,7 @@ class DataStatesCallback(Callback):
         self._armed = False
         if self._trainer is not None:
             pipeline.disable_sharded(self._trainer.strategy)
+        pipeline.wait_for_queued_saves = None
         pipeline.detach(self)
         self._pipeline, self._trainer = None, None
 

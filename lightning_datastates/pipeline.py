@@ -9,9 +9,10 @@ each checkpoint to the engine, orders loads and removals after pending writes, a
 :class:`~lightning_datastates.sharded.saver.SaverHost` of sharded saves.
 
 The demo, the benchmark and the tests reach it through :func:`lightning_datastates.plugin.pipeline_of`; the callback
-and the metrics, which know a Trainer, not the plugin, through :func:`trainer_pipeline`. This module does not import the
-plugin: the plugin registers each pipeline it makes (:func:`register_pipeline`). A pickled plugin (ddp_spawn,
-LightningCLI) gets a new pipeline: engine, threads, writers and owner stay behind.
+and the metrics, which know a Trainer, not the plugin, through :func:`lightning_datastates.registry.trainer_pipeline`.
+This module does not import the plugin: the plugin registers each pipeline it makes
+(:func:`lightning_datastates.registry.register_pipeline`). A pickled plugin (ddp_spawn, LightningCLI) gets a new
+pipeline: engine, threads, writers and owner stay behind.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-import weakref
+from collections.abc import Callable
 from functools import partial
 from typing import IO, TYPE_CHECKING, Any, NoReturn, Protocol, cast
 
@@ -30,7 +31,6 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_datastates.compat.lightning import (
     CheckpointPath,
     checkpoint_path_str,
-    unwrap_checkpoint_io,
     use_file_system,
 )
 from lightning_datastates.config import DataStatesConfig
@@ -38,10 +38,12 @@ from lightning_datastates.errors import CheckpointFlushError
 from lightning_datastates.interrupts import sigint_deferred
 from lightning_datastates.load.reader import load_checkpoint
 from lightning_datastates.records.job import SnapshotStats
+from lightning_datastates.records.stamp import SAVE_SEQUENCE, SaveStamp
 from lightning_datastates.sharded.leftovers import clean_leftovers
 from lightning_datastates.snapshot.engine import LazyPredicate, SnapshotEngine
 from lightning_datastates.snapshot.pending import flush_error
 from lightning_datastates.storage import StorageWriter, fsspec_storage_options, writer_for, writer_kind
+from lightning_datastates.storage.base import read_stamp
 from lightning_datastates.storage.removal import remove_checkpoint
 from lightning_datastates.tiered.tiers import NOT_LOCAL, TieredCheckpoints
 
@@ -49,10 +51,6 @@ if TYPE_CHECKING:
     from lightning_datastates.sharded.saver import ShardedSaver
 
 log = logging.getLogger("lightning_datastates")
-
-#: Each plugin's pipeline, by plugin (weakly: a plugin dropped takes its entry along). Written when a plugin is made or
-#: unpickled, read by :func:`trainer_pipeline`; any thread (the dictionary's own operations are atomic under the GIL).
-_PIPELINES: weakref.WeakKeyDictionary[Any, CheckpointPipeline] = weakref.WeakKeyDictionary()
 
 
 class PluginOwner(Protocol):
@@ -86,6 +84,9 @@ class CheckpointPipeline:
         self._writers: dict[str, StorageWriter] = {}
         self._sharded: ShardedSaver | None = None  # set while a sharded strategy's saves go through the plugin
         self._tiers: TieredCheckpoints | None = None  # with local_tier: made on first use (config may change before)
+        #: Set by the callback where a wrapper (``AsyncCheckpointIO``) queues saves before they reach the plugin:
+        #: returns once those queued so far reached it (removals and loads are held back behind them).
+        self.wait_for_queued_saves: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ the plugin's CheckpointIO methods
     def save_checkpoint(self, checkpoint: dict[str, Any], path: CheckpointPath) -> None:
@@ -100,11 +101,15 @@ class CheckpointPipeline:
         try:
             self.clean_once(directory)
             self.engine.pending.before_save(path)  # a removal of this path held back must not delete the new file
+            # Which save this is, in the one order every "which copy is newest" follows (records/stamp.py).
+            stamp = SAVE_SEQUENCE.next()
             with sigint_deferred():  # Ctrl+C must not split a capture (see interrupts.py)
                 if self.tiers is not None:  # written to the local copy, replicated to path after its commit
-                    stats = self.tiers.save(self.engine, checkpoint, path, lazy, awaits_commit)
+                    stats = self.tiers.save(self.engine, checkpoint, path, lazy, awaits_commit, stamp)
                 else:
-                    stats = self.engine.capture(checkpoint, path, writer, lazy, awaits_commit=awaits_commit)
+                    stats = self.engine.capture(
+                        checkpoint, path, writer, lazy, awaits_commit=awaits_commit, stamp=stamp
+                    )
         except OSError as exc:
             raise CheckpointFlushError(f"cannot write checkpoint {path}: {exc}", path) from exc
         if awaits_commit:
@@ -138,6 +143,8 @@ class CheckpointPipeline:
         once any pending write of it has landed, from the host arena where it is still whole there. On the caller's
         thread (the training thread in a run)."""
         path = checkpoint_path_str(path)
+        if self.wait_for_queued_saves is not None:
+            self.wait_for_queued_saves()  # a save of path queued by a wrapper lands before the load reads it
         if self.tiers is not None:
             # The local copy where it is whole and current (it waits for a pending write of it, not for the copy).
             loaded = self.tiers.load(self._engine, path, partial(self._load_from, map_location, weights_only))
@@ -172,6 +179,8 @@ class CheckpointPipeline:
         ``path`` at once, or (something pending) once every checkpoint saved before this call is committed."""
         path = checkpoint_path_str(path)
         writer = self.writer_for(path)
+        if self.wait_for_queued_saves is not None:
+            self.wait_for_queued_saves()  # the save queued before this removal (the new best) is held back behind
         if self.tiers is not None:  # both copies, once the saves before are on the persistent tier
             self.tiers.remove(self.engine, path, lambda: remove_checkpoint(writer, path))
             return
@@ -187,7 +196,7 @@ class CheckpointPipeline:
         if self._engine is None:
             return
         self._close()
-        for failed in self._engine.unreported_failures():
+        for failed in self._engine.pending.unreported_failures():
             log.error(
                 "lightning_datastates: %s (raised as CheckpointFlushError by the next call of the plugin); earlier "
                 "checkpoints are intact",
@@ -256,8 +265,8 @@ class CheckpointPipeline:
         path = checkpoint_path_str(path)
         if self._engine is None:
             return exists
-        pending = any(self._engine.is_pending(name) for name in _path_and_target(path))
-        return (exists or pending) and not self._engine.is_removal_deferred(path)
+        pending = any(self._engine.pending.is_pending(name) for name in _path_and_target(path))
+        return (exists or pending) and not self._engine.pending.is_removal_deferred(path)
 
     def storage_unreachable(self, path: CheckpointPath, error: Exception) -> NoReturn:
         """``ModelCheckpoint`` could not ask storage whether ``path`` exists (it picks its file names so): a store that
@@ -300,7 +309,7 @@ class CheckpointPipeline:
 
     def is_pending(self, path: CheckpointPath) -> bool:
         """Whether ``path`` has a checkpoint that is saved but not yet on storage (a sharded one: not yet committed)."""
-        return self._engine is not None and self._engine.is_pending(checkpoint_path_str(path))
+        return self._engine is not None and self._engine.pending.is_pending(checkpoint_path_str(path))
 
     def raise_pending_failure(self, path: str | None = None) -> None:
         """Raise the oldest unreported background failure (of ``path`` if given) as ``CheckpointFlushError``.
@@ -310,9 +319,9 @@ class CheckpointPipeline:
         if self._engine is None:
             return
         if path is None and self.config.on_flush_error == "warn":
-            self._engine.warn_failures()
+            self._engine.pending.warn_failures()
             return
-        failed = self._engine.pop_failure(path)
+        failed = self._engine.pending.pop_failure(path)
         if failed is not None:
             error = flush_error(failed)
             raise error from error.__cause__
@@ -337,6 +346,8 @@ class CheckpointPipeline:
         single-file save, a sharded save's announcement); the paths removed (none when it was cleaned already)."""
         directory = directory.rstrip("/") or "/"
         if directory in self._cleaned_directories:
+            if self._tiers is not None and self._tiers.needs_recovery(directory):
+                self._tiers.recover(self.engine, directory)  # copies this process gave up on: replicated now
             return []
         return self.clean_stale(directory)
 
@@ -352,6 +363,19 @@ class CheckpointPipeline:
             # After the cleanup (a dead run's upload aborted first): replicate the local copies it did not.
             self.tiers.recover(self.engine, directory)
         return removed
+
+    def stamp_of(self, path: str) -> SaveStamp | None:
+        """The save stamp of the committed file at ``path`` (None where it carries none), read through this plugin's
+        storage; later saves are stamped after it (:meth:`SaveSequence.observe
+        <lightning_datastates.records.stamp.SaveSequence.observe>`).
+
+        Raises:
+            FileNotFoundError: nothing at ``path``.
+            IsADirectoryError: a directory (a sharded checkpoint).
+        """
+        stamp = read_stamp(self.writer_for(path), path)
+        SAVE_SEQUENCE.observe(stamp)
+        return stamp
 
     def arena_occupancy(self) -> float | None:
         """The fraction of the host arena that pending checkpoints hold; None before the first checkpoint sized it.
@@ -412,23 +436,6 @@ class CheckpointPipeline:
 
 def _every_storage(storage: Any) -> bool:
     return True
-
-
-def register_pipeline(plugin: Any, pipeline: CheckpointPipeline) -> None:
-    """Record that ``plugin`` (a ``DataStatesIO``) saves and loads through ``pipeline``: the plugin's ``__init__`` and
-    ``__setstate__``, before the plugin is handed to a Trainer."""
-    _PIPELINES[plugin] = pipeline
-
-
-def trainer_pipeline(trainer: Any) -> CheckpointPipeline | None:
-    """The pipeline of the ``DataStatesIO`` that ``trainer``'s strategy saves through, looking through wrapping
-    CheckpointIOs (``AsyncCheckpointIO``); None for a Trainer that does not use one. Any thread."""
-    strategy = getattr(trainer, "strategy", None)
-    checkpoint_io = unwrap_checkpoint_io(getattr(strategy, "checkpoint_io", None))
-    try:
-        return _PIPELINES.get(checkpoint_io)
-    except TypeError:  # an unhashable CheckpointIO of somebody else's is not ours
-        return None
 
 
 def _path_and_target(path: str) -> tuple[str, ...]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_datastates.callback import attach_callback
 from lightning_datastates.compat.last_checkpoint import LastOptions, resolve_last_checkpoint
@@ -28,8 +29,9 @@ from lightning_datastates.config import (
     FlushErrorPolicy,
     Size,
 )
-from lightning_datastates.pipeline import CheckpointPipeline, register_pipeline, trainer_pipeline
+from lightning_datastates.pipeline import CheckpointPipeline
 from lightning_datastates.records.job import SnapshotStats
+from lightning_datastates.registry import register_pipeline, trainer_pipeline
 from lightning_datastates.warning_display import show_warnings_plainly
 
 
@@ -169,15 +171,23 @@ class DataStatesIO(CheckpointIO):
             CheckpointCorruptError: ``path`` fails its integrity check (with ``verify_checksums``).
             FileNotFoundError: no checkpoint at ``path``.
         """
-        return self._pipeline.load_checkpoint(path, map_location, weights_only)
+        loaded = self._pipeline.load_checkpoint(path, map_location, weights_only)
+        tiers = self._pipeline.tiers
+        if tiers is not None and tiers.last_local_read is not None:
+            persistent, local, why = tiers.last_local_read
+            # Lightning says "Restored ... from <persistent path>": say which copy that was, where users look.
+            rank_zero_info(f"lightning_datastates: {persistent} was read from its local copy {local} ({why})")
+        return loaded
 
     def remove_checkpoint(self, path: CheckpointPath) -> None:
-        """Drop a pending write of ``path`` (or let a commit in progress end), then delete the file, or the sharded
-        checkpoint's directory, in an order that no crash can leave torn (see ``storage/removal.py``).
+        """Delete the file at ``path``, or the sharded checkpoint's directory, in an order that no crash can leave
+        torn (see ``storage/removal.py``), once every checkpoint saved before this call is committed.
 
         The deletion waits (in the background) until every checkpoint saved before this call is committed, single
         files and sharded directories alike, and is dropped if one of them fails: ModelCheckpoint removes the
-        previous best right after saving the new one, which must not leave the run without a checkpoint.
+        previous best right after saving the new one, which must not leave the run without a checkpoint. Only then is
+        a pending write of ``path`` itself cancelled (or a commit in progress let end): until then it may be the
+        newest checkpoint there is.
 
         Raises:
             OSError: the removal ran at once (nothing pending) and failed; one carried out later is logged instead.
@@ -264,4 +274,4 @@ def _prepare_for_last(trainer: Any) -> LastOptions | None:
         return None
     pipeline.adopt_file_systems(trainer)
     tiers = pipeline.tiers
-    return LastOptions(pipeline.config.stale_after_s, None if tiers is None else tiers.local_copies)
+    return LastOptions(pipeline.config.stale_after_s, pipeline.stamp_of, None if tiers is None else tiers.local_copies)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import copy
 import errno
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +27,15 @@ from lightning_datastates.storage.local import TEMP_SUFFIX, LocalWriter, LocalWr
 from lightning_datastates.write import loop as write_loop_module
 
 _O_TMPFILE = getattr(os, "O_TMPFILE", None)
+
+# A local tier is remembered in the user's cache directory (tiered/recovery.py, note_tier_used): the tests' tiers go to
+# a cache directory of this test process's own, removed at its exit; the processes it launches inherit it (and keep it:
+# a test may set another).
+if "LIGHTNING_DATASTATES_TESTS_CACHE" not in os.environ:
+    os.environ["XDG_CACHE_HOME"] = os.environ["LIGHTNING_DATASTATES_TESTS_CACHE"] = tempfile.mkdtemp(
+        prefix="lightning-datastates-tests-cache-"
+    )
+    atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], True)
 
 
 class BNModel(L.LightningModule):

@@ -370,7 +370,7 @@ def test_arena_is_made_and_pinned_before_the_first_save(tmp_path, monkeypatch, h
     assert made_at_first_batch == [host_cache is not None]  # a host cache's size is known at train start
     if host_cache is None:  # the default rule, applied to the state: two of its checkpoints at least
         assert arena_at_first_save.size_bytes >= sizing.MIN_ARENA_BYTES
-    assert len(os.listdir(tmp_path / "ckpt")) == 2 and not pipeline_of(plugin).engine.unreported_failures()
+    assert len(os.listdir(tmp_path / "ckpt")) == 2 and not pipeline_of(plugin).engine.pending.unreported_failures()
 
 
 def test_a_prepared_arena_too_small_for_the_first_checkpoint_is_made_again(tmp_path, monkeypatch) -> None:

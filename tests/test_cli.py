@@ -181,9 +181,9 @@ def test_inspect_reports_unreadable_files(tmp_path, capsys, lightning_checkpoint
 _DIE_MID_WRITE = """
 import os, signal, sys
 from lightning_datastates.storage import writer_for
-from lightning_datastates.storage import local
+from lightning_datastates.storage import unnamed
 url, options = sys.argv[1], {storage_options!r}
-local._UNNAMED_REFUSED.add(os.path.dirname(url))  # a named temporary file, as on NFS (an unnamed one leaves nothing)
+unnamed._UNNAMED_REFUSED.add(os.path.dirname(url))  # a named temporary file, as on NFS (an unnamed one leaves nothing)
 session = writer_for(url, options).begin(url, {total_bytes})
 session.write_range(0, memoryview(bytes({written_bytes})))
 os.kill(os.getpid(), signal.SIGKILL)  # the writer dies mid-write: its temporary file or upload stays behind

@@ -24,9 +24,10 @@ After each kill:
     top-k directory's name must carry the same step. A directory without ``meta.pt`` whose commit record (a switch
     of ``last.ckpt`` killed half-way, which the next run's cleanup completes) names shard files that are all there is
     read the same way, as the cleanup will make it;
-(b) the next run (the next link of the chain) must start training, from the newest whole ``last*.ckpt`` (whole, or
-    completable from its record; not being removed), else from the newest whole checkpoint of the directory, else
-    from scratch; the state it restored must equal the record of that checkpoint's save, bit for bit.
+(b) the next run (the next link of the chain) must start training from the newest whole checkpoint of the directory
+    (whole, or completable from its record; not being removed): the last save among them, a later run's after an
+    earlier run's, whether ``last*.ckpt`` or a top-k directory; else from scratch; the state it restored must equal
+    the record of that checkpoint's save, bit for bit.
 
 At the end one more run trains 4 steps without being killed; it must end cleanly, its newest ``last*.ckpt`` must hold
 its last step, and the directory must hold only whole checkpoints, each with exactly the files its ``.metadata``
@@ -502,12 +503,11 @@ class Trial:
     # -------------------------------------------------------------------------------------------------- (b)
     @staticmethod
     def expected_resume(resumable: dict[str, Checkpoint]) -> set[tuple[int, str | None]]:
-        last = [c for name, c in resumable.items() if name.startswith("last")]
-        pool = last or list(resumable.values())
+        pool = list(resumable.values())
         if not pool:
             return {(0, None)}
-        newest = max(c.step for c in pool)
-        return {(c.step, c.run) for c in pool if c.step == newest}
+        newest = max((int(c.run), c.step) for c in pool)  # the last save: runs of the chain save one after another
+        return {(c.step, c.run) for c in pool if (int(c.run), c.step) == newest}
 
     def wait_started(self, run: Run, where: str) -> bool:
         deadline = time.monotonic() + START_TIMEOUT_S

@@ -143,7 +143,7 @@ def test_a_run_killed_before_the_file_last_links_to_was_written_resumes_from_the
     resumed = _ResumedFrom()
     callbacks = [every_step_checkpoint(str(directory), save_last="link"), resumed]
     trainer = make_trainer(str(directory), DataStatesIO(), callbacks=callbacks, max_epochs=-1, max_steps=4)
-    with pytest.warns(UserWarning, match=r"the newest last checkpoint is not whole \(.*last\.ckpt"):
+    with pytest.warns(UserWarning, match=r"last\.ckpt is not whole"):
         trainer.fit(BNModel(), make_loader(), ckpt_path="last")
     assert resumed.ckpt_path == str(directory / "epoch=0-step=2.ckpt") and resumed.global_step == 2
     assert os.readlink(link) == "epoch=0-step=4.ckpt" and link.exists()
@@ -167,6 +167,17 @@ def _link_layout(tmp_path, links: dict[str, str]) -> tuple[Any, Any]:
     return directory, SimpleNamespace(callbacks=[callback], checkpoint_callbacks=[callback])
 
 
+def _options(local: dict[str, float] | None = None) -> Any:
+    """What the plugin gives the resolution of "last" for local files: stamps read from them, and ``local`` as the
+    local tier's copies that are the ones to read (persistent path -> when that copy was saved)."""
+    from lightning_datastates.compat.last_checkpoint import LastOptions
+    from lightning_datastates.records.stamp import order_key
+    from lightning_datastates.storage.base import read_stamp
+
+    copies = None if local is None else (lambda _: {path: order_key(None, t) for path, t in local.items()})
+    return LastOptions(3600.0, lambda path: read_stamp(LocalWriter(), path), copies)
+
+
 @pytest.mark.parametrize(
     "links",
     [
@@ -181,8 +192,8 @@ def test_last_takes_the_newest_whole_checkpoint_when_every_last_link_leads_nowhe
     from lightning_datastates.compat.last_checkpoint import newest_last_checkpoint
 
     directory, trainer = _link_layout(tmp_path, links)
-    with pytest.warns(UserWarning, match=r"the newest last checkpoint is not whole"):
-        assert newest_last_checkpoint(trainer, 3600.0) == str(directory / "epoch=0-step=2.ckpt")  # type: ignore[arg-type]
+    with pytest.warns(UserWarning, match=r"last\.ckpt.* is not whole"):
+        assert newest_last_checkpoint(trainer, _options()) == str(directory / "epoch=0-step=2.ckpt")
 
 
 def test_last_follows_a_chain_of_links_to_the_local_tiers_copy(tmp_path):
@@ -194,20 +205,28 @@ def test_last_follows_a_chain_of_links_to_the_local_tiers_copy(tmp_path):
     local = {step_3: time.time() - 1}
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # whole: no fallback, no warning
-        assert newest_last_checkpoint(trainer, 3600.0, lambda _: local) == step_3  # type: ignore[arg-type]
+        assert newest_last_checkpoint(trainer, _options(local)) == step_3
 
 
 def test_a_local_copy_of_a_file_a_last_link_replaced_is_not_taken_for_that_link(tmp_path):
     """The local tier still holds a copy of ``last.ckpt`` saved as a file (``save_last=True``) by an earlier run; a
     later run with ``save_last="link"`` replaced it by a link, and was killed before the file it names was written
-    anywhere. That copy is not the link's checkpoint: the newest whole checkpoint is taken, with a warning."""
+    anywhere. That copy is not the link's checkpoint (it is older than what the link replaced it with): the newest
+    whole checkpoint is taken, with a warning."""
     from lightning_datastates.compat.last_checkpoint import newest_last_checkpoint
+    from lightning_datastates.plugin import _prepare_for_last
 
-    directory, trainer = _link_layout(tmp_path, {"last.ckpt": "epoch=0-step=3.ckpt"})
-    local = {str(directory / "last.ckpt"): time.time() - 50}
-    with pytest.warns(UserWarning, match=r"the newest last checkpoint is not whole"):
-        found = newest_last_checkpoint(trainer, 3600.0, lambda _: local)  # type: ignore[arg-type]
-    assert found == str(directory / "epoch=0-step=2.ckpt")
+    directory, tier = tmp_path / "ckpt", tmp_path / "tier"
+    plugin = DataStatesIO(local_tier=str(tier))
+    trainer = make_trainer(str(tmp_path), plugin, callbacks=[every_step_checkpoint(str(directory))], max_steps=3)
+    trainer.fit(BNModel(), make_loader())
+    os.unlink(directory / "last.ckpt")
+    os.symlink("epoch=0-step=9.ckpt", directory / "last.ckpt")  # the later run's link; its file never written
+    callback = ModelCheckpoint(dirpath=str(directory), save_last="link")
+    resuming = make_trainer(str(tmp_path), DataStatesIO(local_tier=str(tier)), callbacks=[callback])
+    with pytest.warns(UserWarning, match=r"last\.ckpt is not whole"):
+        found = newest_last_checkpoint(resuming, _prepare_for_last(resuming))
+    assert found == str(directory / "epoch=0-step=3.ckpt")
 
 
 def test_last_takes_a_newer_whole_checkpoint_over_an_older_last_when_the_newest_last_link_leads_nowhere(tmp_path):
@@ -219,10 +238,11 @@ def test_last_takes_a_newer_whole_checkpoint_over_an_older_last_when_the_newest_
     torch.save({"global_step": 0}, directory / "last.ckpt")
     older = time.time() - 200
     os.utime(directory / "last.ckpt", (older, older))
-    with pytest.warns(UserWarning, match=r"not whole \(.*last-v1\.ckpt"):
-        assert newest_last_checkpoint(trainer, 3600.0) == str(directory / "epoch=0-step=2.ckpt")  # type: ignore[arg-type]
-    os.unlink(directory / "last-v1.ckpt")  # without the link: the whole last.ckpt, as Lightning takes it
-    assert newest_last_checkpoint(trainer, 3600.0) == str(directory / "last.ckpt")  # type: ignore[arg-type]
+    with pytest.warns(UserWarning, match=r"last-v1\.ckpt is not whole"):
+        assert newest_last_checkpoint(trainer, _options()) == str(directory / "epoch=0-step=2.ckpt")
+    os.unlink(directory / "last-v1.ckpt")  # without the link: still the newest whole checkpoint, newer than last.ckpt
+    with pytest.warns(UserWarning, match=r"newer than the last checkpoint"):
+        assert newest_last_checkpoint(trainer, _options()) == str(directory / "epoch=0-step=2.ckpt")
 
 
 def test_last_dates_a_checkpoint_by_its_local_copy_where_the_local_tier_holds_one(tmp_path):
@@ -235,8 +255,8 @@ def test_last_dates_a_checkpoint_by_its_local_copy_where_the_local_tier_holds_on
     copied_late = time.time() - 50
     os.utime(step_1, (copied_late, copied_late))
     local = {step_1: time.time() - 99, step_2: time.time() - 98}
-    with pytest.warns(UserWarning, match=r"the newest last checkpoint is not whole"):
-        assert newest_last_checkpoint(trainer, 3600.0, lambda _: local) == step_2  # type: ignore[arg-type]
+    with pytest.warns(UserWarning, match=r"last\.ckpt is not whole"):
+        assert newest_last_checkpoint(trainer, _options(local)) == step_2
 
 
 def test_last_falls_back_to_an_on_exception_checkpoint_outside_the_checkpoint_directory(tmp_path):
@@ -257,8 +277,8 @@ def test_last_falls_back_to_an_on_exception_checkpoint_outside_the_checkpoint_di
     os.symlink("epoch=0-step=9.ckpt", tmp_path / "ckpt" / "last.ckpt")
     callback = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last="link")
     trainer = SimpleNamespace(callbacks=[on_exception, callback], checkpoint_callbacks=[callback])
-    with pytest.warns(UserWarning, match=r"the newest last checkpoint is not whole"):
-        assert newest_last_checkpoint(trainer, 3600.0) == on_exception.ckpt_path  # type: ignore[arg-type]
+    with pytest.warns(UserWarning, match=r"last\.ckpt is not whole"):
+        assert newest_last_checkpoint(trainer, _options()) == on_exception.ckpt_path
 
 
 def test_last_looks_for_whole_checkpoints_where_lightning_derives_the_directory(tmp_path):
@@ -274,8 +294,8 @@ def test_last_looks_for_whole_checkpoints_where_lightning_derives_the_directory(
     trainer = SimpleNamespace(
         callbacks=[callback], checkpoint_callbacks=[callback], loggers=[], default_root_dir=str(tmp_path)
     )
-    with pytest.warns(UserWarning, match=r"the newest last checkpoint is not whole"):
-        found = newest_last_checkpoint(trainer, 3600.0)  # type: ignore[arg-type]
+    with pytest.warns(UserWarning, match=r"last\.ckpt is not whole"):
+        found = newest_last_checkpoint(trainer, _options())
     assert found == str(tmp_path / "checkpoints" / "epoch=0-step=2.ckpt")
 
 
@@ -470,7 +490,8 @@ def test_last_skips_a_half_switched_directory_that_the_cleanup_would_not_complet
     marker = mark_pending(LocalWriter(), str(last))  # this process: alive
     callback = ModelCheckpoint(dirpath=str(directory))
     trainer = SimpleNamespace(callbacks=[callback], checkpoint_callbacks=[callback])
-    assert newest_last_checkpoint(trainer, 3600.0) == str(whole)  # type: ignore[arg-type]
+    with pytest.warns(UserWarning, match=r"last\.ckpt is not whole"):
+        assert newest_last_checkpoint(trainer, _options()) == str(whole)
     os.unlink(marker)
     (last / f".commit.{host_tag()}.{dead_pid()}.deadbeef{PENDING_SUFFIX}").write_bytes(b"")
-    assert newest_last_checkpoint(trainer, 3600.0) == str(last)  # type: ignore[arg-type]
+    assert newest_last_checkpoint(trainer, _options()) == str(last)

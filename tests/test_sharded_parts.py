@@ -426,7 +426,7 @@ class _RemoveThenSaveAgain(L.Callback):
             self.hold.clear()
             trainer.save_checkpoint(str(self.directory / "other.ckpt"))
             trainer.strategy.remove_checkpoint(user)
-            self.deferred = pipeline_of(trainer.strategy.checkpoint_io).engine.is_removal_deferred(user)
+            self.deferred = pipeline_of(trainer.strategy.checkpoint_io).engine.pending.is_removal_deferred(user)
             trainer.save_checkpoint(user)
             self.state_at_save = {k: local_shard(v).detach().clone() for k, v in pl_module.state_dict().items()}
             self.pending = pipeline_of(trainer.strategy.checkpoint_io).is_pending(user)  # its commit is held

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import textwrap
 import threading
 from pathlib import Path
@@ -25,7 +26,9 @@ from lightning_datastates import DataStatesIO
 from lightning_datastates.errors import ConfigError
 from lightning_datastates.plugin import pipeline_of
 from lightning_datastates.records.leftovers import TEMP_SUFFIX, host_tag
+from lightning_datastates.records.stamp import SaveStamp
 from lightning_datastates.snapshot.engine import SnapshotEngine
+from lightning_datastates.storage.base import read_stamp
 from lightning_datastates.storage.local import LocalWriter
 from lightning_datastates.tiered.layout import REPLICATE_SUFFIX, TARGET_NAME, TierLayout
 from tests.conftest import (
@@ -79,7 +82,8 @@ def test_every_file_on_both_tiers_equals_the_state_at_its_save(tmp_path, slow_co
     assert any(s.barrier_wait_s > 0 for s in plugin.stats), "no checkpoint was still copying at a barrier"
     assert file_mismatches(plugin) == []  # the persistent files
     local = _local_dir(tier)
-    assert _copies(local) == ["epoch=1-step=16.ckpt", "last.ckpt"]  # the newest two, once replicated
+    # The newest two, once replicated, and the last checkpoint beside them.
+    assert _copies(local) == ["epoch=1-step=15.ckpt", "epoch=1-step=16.ckpt", "last.ckpt"]
     for name in _copies(local):
         assert (local / name).read_bytes() == (tmp_path / "persist" / name).read_bytes(), name
     assert _markers(local) == [] and temp_files(str(tmp_path)) == []
@@ -160,9 +164,7 @@ def test_local_keep_bounds_the_local_copies(tmp_path, keep):
     local = _local_dir(tier)
     persistent = sorted(os.listdir(tmp_path / "persist"))
     assert _copies(local) == ([] if keep == 0 else persistent)
-    assert sorted(os.listdir(local)) == sorted(
-        [TARGET_NAME] + [n for name in _copies(local) for n in (name, f".{name}.datastates-replica")]
-    )
+    assert sorted(os.listdir(local)) == sorted([TARGET_NAME, *_copies(local)])  # no marker, no note
 
 
 # ---------------------------------------------------------------------------------------------------- S3
@@ -234,9 +236,26 @@ def test_a_good_local_copy_is_read_and_the_persistent_file_is_not(tmp_path, monk
     fresh = DataStatesIO(local_tier=str(tier))
     assert_bit_equal(fresh.load_checkpoint(str(persist / "last.ckpt"), weights_only=False), expected)
     assert opened == [str(_local_dir(tier) / "last.ckpt")]
-    # The persistent tier gone (a file system not mounted on this node any more): the local copy is all there is.
-    (persist).rename(tmp_path / "elsewhere")
-    assert_bit_equal(fresh.load_checkpoint(str(persist / "last.ckpt"), weights_only=False), expected)
+
+
+def test_a_replicated_local_copy_of_a_deleted_persistent_file_is_not_brought_back(tmp_path, caplog):
+    """The persistent directory gone (the user deleted it, or its file system is not mounted on this node any more):
+    the local copies were replicated there, so they stand for nothing now. A load fails as without a local tier, and
+    says why the local copy was not read; ``ckpt_path="last"`` finds nothing and says so; the run's recovery removes
+    the local copies, with a warning."""
+    tier, persist = tmp_path / "local", tmp_path / "persist"
+    _fit(tmp_path, DataStatesIO(local_tier=str(tier), **SMALL), str(persist))
+    local = _local_dir(tier)
+    assert (local / "last.ckpt").exists()
+    shutil.rmtree(persist)
+    fresh = DataStatesIO(local_tier=str(tier))
+    with caplog.at_level(logging.WARNING, logger="lightning_datastates"), pytest.raises(FileNotFoundError):
+        fresh.load_checkpoint(str(persist / "last.ckpt"), weights_only=False)
+    assert any("not reading the local copy" in r.getMessage() and "gone" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lightning_datastates"):
+        assert _resume_last(tmp_path, DataStatesIO(local_tier=str(tier), **SMALL), persist) == 0
+    assert any("removing" in r.getMessage() and "gone" in r.getMessage() for r in caplog.records)
 
 
 def test_a_marked_local_copy_older_than_the_persistent_file_is_neither_loaded_nor_replicated(tmp_path):
@@ -246,10 +265,12 @@ def test_a_marked_local_copy_older_than_the_persistent_file_is_neither_loaded_no
     _fit(tmp_path, DataStatesIO(local_tier=str(tier), **SMALL), str(persist))
     local = _local_dir(tier)
     marker = local / f".last.ckpt.{host_tag()}.{dead_pid()}.0123abcd.datastates-replicate"
-    # As a save marks it: the name, and what it knew of the persistent file (the note of the last replication).
-    marker.write_text(json.dumps({"name": "last.ckpt", "seen": (local / ".last.ckpt.datastates-replica").read_text()}))
+    # As a save marks it: the name, and the stamp of that save (the one the local copy carries).
+    stamp = read_stamp(LocalWriter(), str(local / "last.ckpt"))
+    assert stamp is not None
+    marker.write_text(json.dumps({"name": "last.ckpt", "stamp": [stamp.sequence, stamp.run]}))
     newer = {"state_dict": {"w": torch.arange(4.0)}, "global_step": 99}
-    torch.save(newer, persist / "last.ckpt")  # the other node's
+    torch.save(newer, persist / "last.ckpt")  # the other node's (plain torch.save: dated by its modification time)
     plugin = DataStatesIO(local_tier=str(tier), **SMALL)
     assert plugin.load_checkpoint(str(persist / "last.ckpt"), weights_only=False)["global_step"] == 99
     pipeline_of(plugin).clean_stale(str(persist))
@@ -262,7 +283,7 @@ def test_new_node_with_an_empty_local_tier_resumes_from_the_persistent_tier(tmp_
     persist = tmp_path / "persist"
     _fit(tmp_path, DataStatesIO(local_tier=str(tmp_path / "node-a"), **SMALL), str(persist))
     assert _resume_last(tmp_path, DataStatesIO(local_tier=str(tmp_path / "node-b"), **SMALL), persist) == 16
-    assert _copies(_local_dir(tmp_path / "node-b")) == ["epoch=2-step=24.ckpt", "last.ckpt"]
+    assert _copies(_local_dir(tmp_path / "node-b")) == ["epoch=2-step=23.ckpt", "epoch=2-step=24.ckpt", "last.ckpt"]
 
 
 def test_last_takes_a_local_copy_the_persistent_tier_lacks(tmp_path):
@@ -479,5 +500,5 @@ def test_a_long_checkpoint_name_saves_with_a_local_tier_as_without(tmp_path):
     plugin.save_checkpoint({"state_dict": {"w": torch.ones(4)}}, str(tmp_path / "persist" / name))
     assert os.listdir(tmp_path / "persist") == [name]
     local = _local_dir(tmp_path / "local")
-    marker = TierLayout.mark(str(local / name), "")
+    marker = TierLayout.mark(str(local / name), SaveStamp(1, "0" * 16))
     assert TierLayout.markers(str(local)) == {name: [(marker, TierLayout.markers(str(local))[name][0][1])]}

@@ -237,15 +237,15 @@ def test_a_run_killed_at_a_replication_seam_leaves_whole_files_and_the_next_run_
         assert killed not in persistent_steps  # never committed there: the next run has a replication to do
     if seam == "during" and tier.s3 is not None:
         assert tier.s3.open_uploads() == [tier.s3.key_of(tier.path(killed))], "no multipart upload open at the kill"
-    lasts = [step for steps in (local_steps, persistent_steps) for name, step in steps.items() if name == "last.ckpt"]
-    assert lasts, "no last.ckpt was committed before the kill"
-    newest_last = max(lasts)
+    whole = {**persistent_steps, **local_steps}  # every checkpoint whole on either tier at the kill, by name
+    newest = max(whole.values())
 
-    plugin, resumed = _fit_last(tmp_path, tier, local_tier, width, max_steps=newest_last + 2)
+    plugin, resumed = _fit_last(tmp_path, tier, local_tier, width, max_steps=newest + 2)
 
-    # Resumed from the newest last.ckpt committed on either tier: Lightning's "last" (a step-named file may be newer,
-    # its last.ckpt replaced by the next save before it was written, or cut short by the kill).
-    assert resumed.ckpt_path == tier.path("last.ckpt") and resumed.global_step == newest_last
+    # Resumed from the newest checkpoint whole on either tier (the newest save: a step-named file may be newer than
+    # last.ckpt, whose save of that step was cut short by the kill, or superseded before it was written).
+    newest_names = {tier.path(name) for name, step in whole.items() if step == newest}
+    assert resumed.ckpt_path in newest_names and resumed.global_step == newest, (resumed.ckpt_path, whole)
     # Every copy marked at the kill is on the persistent tier, bit for bit (unless the resumed run saved that name).
     now_persistent = tier.names()
     compared = [name for name in at_kill if name not in plugin.saved]

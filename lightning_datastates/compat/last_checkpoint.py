@@ -15,18 +15,22 @@ and each ``OnExceptionCheckpoint``'s ``ckpt_path``, and takes the candidate with
   fails with ``ValueError: ... does not point to a valid checkpoint``;
 - with ``save_last="link"``, ``last.ckpt`` is a symbolic link made as soon as the save call returns: a run killed
   before the file it names was committed (or, with a local tier, replicated) leaves it dangling, Lightning finds no
-  last checkpoint and trains from scratch.
+  last checkpoint and trains from scratch;
+- the newest checkpoint is not always a last one, nor the one with the newest modification time: a run killed after
+  a top-k save and before the ``last.ckpt`` of that step resumes from an older state, and the writes of overlapping
+  saves end in any order (a file's date is its write's end, S3's the start of its upload, to the second).
 
 :func:`resolve_last_checkpoint` wraps ``_parse_ckpt_path`` so that, for a Trainer the given predicate accepts (one
-whose checkpoints go through the plugin), ``"last"`` is resolved by :func:`newest_last_checkpoint`: the same
-candidates, remote ones with their protocol, a file as it is (a file is committed whole or not at all), a directory
-only if it holds a checkpoint once the cleanup at setup has run (:func:`~lightning_datastates.records.names.
-holds_checkpoint`), dated by its ``meta.pt`` or commit record, a dangling link as the file it names where the local
-tier holds that file and as a checkpoint not whole otherwise. Where candidates exist but none is whole, the newest
-whole checkpoint of the ``ModelCheckpoint`` directories is taken instead, with a warning; where there is none either,
-training starts from scratch with Lightning's warning, as Lightning does when it finds no last checkpoint. Every rank
-resolves the same way, before rank 0's cleanup at setup changes anything (the strategy's process group forms in
-between). Everything else goes to Lightning's own method unchanged, and so does ``"last"`` with no candidate at all.
+whose checkpoints go through the plugin), ``"last"`` is resolved by :func:`newest_last_checkpoint`: the newest whole
+checkpoint by save stamp (:mod:`~lightning_datastates.records.stamp`), among the last checkpoints and, where last
+checkpoints are saved, every checkpoint of the ``ModelCheckpoint`` directories, remote ones with their protocol; a
+file counts as it is (it is committed whole or not at all), a link as the file it names, a directory only if it holds
+a checkpoint once the cleanup at setup has run (:func:`~lightning_datastates.records.names.holds_checkpoint`), dated
+by its ``meta.pt`` or commit record, and with a local tier a local copy where it is the one to read. Where candidates
+exist but none is whole, training starts from scratch with a warning, as Lightning does when it finds no last
+checkpoint. Every rank resolves the same way, before rank 0's cleanup at setup changes anything (the strategy's
+process group forms in between). Everything else goes to Lightning's own method unchanged, and so does ``"last"``
+with no candidate at all.
 
 Call order: :func:`resolve_last_checkpoint` when a plugin is made (before any ``fit``), any thread, idempotent; the
 wrapper runs where Lightning calls the method, on the training thread of every rank.
@@ -34,6 +38,7 @@ wrapper runs where Lightning calls the method, on the training thread of every r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
@@ -50,30 +55,33 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_datastates.records.leftovers import parse_leftover_name, writer_gone
 from lightning_datastates.records.names import COMMIT_RECORD_NAME, LIGHTNING_META_NAME, PENDING_SUFFIX, holds_checkpoint
+from lightning_datastates.records.stamp import SaveStamp, order_key
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
 
-#: Links followed at most from a last checkpoint's link (Linux's own limit for one path).
-_MAX_LINKS = 40
 #: Marks the wrapper, so that it is installed once.
 _WRAPPED = "_lightning_datastates_resolves_last"
 
 
 @dataclass(frozen=True)
 class LastOptions:
-    """What the plugin tells the resolution of ``"last"``: its ``stale_after_s`` (``max_age_s``), and with a local tier
-    the local copies of a persistent directory's checkpoints (persistent path -> the copy's modification time)."""
+    """What the plugin tells the resolution of ``"last"``: its ``stale_after_s`` (``max_age_s``); ``stamp_of(path)``,
+    the save stamp of the file at ``path`` through the plugin's storage (None where it carries none; raises
+    ``FileNotFoundError`` where nothing is there); and with a local tier, the local copies of a persistent directory's
+    checkpoints that are the ones to read (persistent path -> order key,
+    :func:`~lightning_datastates.records.stamp.order_key`)."""
 
     max_age_s: float
-    local_copies: Callable[[str], dict[str, float]] | None = None
+    stamp_of: Callable[[str], SaveStamp | None]
+    local_copies: Callable[[str], dict[str, tuple[int, str]]] | None = None
 
 
 def resolve_last_checkpoint(prepare: Callable[[Trainer], LastOptions | None]) -> None:
-    """Wrap ``_CheckpointConnector._parse_ckpt_path`` (once per process) so that ``ckpt_path="last"`` resumes from a
-    whole checkpoint for the Trainers that use the plugin (see the module docstring). ``prepare(trainer)`` runs first:
-    for such a Trainer it readies its ``ModelCheckpoint``s (their file systems, with the plugin's options) and gives
-    the plugin's :class:`LastOptions`; None for any other Trainer, left to Lightning."""
+    """Wrap ``_CheckpointConnector._parse_ckpt_path`` (once per process) so that ``ckpt_path="last"`` resumes from
+    the newest whole checkpoint for the Trainers that use the plugin (see the module docstring). ``prepare(trainer)``
+    runs first: for such a Trainer it readies its ``ModelCheckpoint``s (their file systems, with the plugin's options)
+    and gives the plugin's :class:`LastOptions`; None for any other Trainer, left to Lightning."""
     original = _CheckpointConnector._parse_ckpt_path
     if getattr(original, _WRAPPED, False):
         return
@@ -81,13 +89,13 @@ def resolve_last_checkpoint(prepare: Callable[[Trainer], LastOptions | None]) ->
     def parse_ckpt_path(self: Any, state_fn: Any, ckpt_path: Any, model_provided: bool, model_connected: bool) -> Any:
         options = prepare(self.trainer) if ckpt_path == "last" else None
         if options is not None:
-            found = newest_last_checkpoint(self.trainer, options.max_age_s, options.local_copies)
+            found = newest_last_checkpoint(self.trainer, options)
             if found is not NO_CANDIDATE:
                 if found is None:
                     fn = state_fn.value
                     rank_zero_warn(
-                        f'.{fn}(ckpt_path="last") is set, but no last checkpoint is whole (a run died saving it) and '
-                        "no other checkpoint was found. No checkpoint will be loaded."
+                        f'.{fn}(ckpt_path="last") is set, but no checkpoint is whole (a run died saving it). No '
+                        "checkpoint will be loaded."
                     )
                 return found
         return original(self, state_fn, ckpt_path, model_provided=model_provided, model_connected=model_connected)
@@ -103,103 +111,111 @@ class _NoCandidate:
 NO_CANDIDATE: Any = _NoCandidate()
 
 
-def newest_last_checkpoint(
-    trainer: Trainer, max_age_s: float, local_copies: Callable[[str], dict[str, float]] | None = None
-) -> Any:
-    """The newest whole one of the Trainer's last checkpoints (``last.ckpt`` and its versions in each
-    ``ModelCheckpoint``'s directory, and each ``OnExceptionCheckpoint``'s file), with its protocol; where some exist
-    but none is whole, or a ``last.ckpt`` link that leads nowhere was made after the newest whole one, the newest
-    whole checkpoint in those directories, with a warning (None if there is none either); :data:`NO_CANDIDATE` if
-    there is no last checkpoint at all. ``max_age_s``: the plugin's ``stale_after_s``, which tells whether the cleanup
-    at setup will complete a directory whose switch a dead run left half-way. A ``ModelCheckpoint`` without
+def newest_last_checkpoint(trainer: Trainer, options: LastOptions) -> Any:
+    """The checkpoint ``ckpt_path="last"`` resumes from, with its protocol: the newest whole one, by save stamp
+    (:mod:`~lightning_datastates.records.stamp`), among the Trainer's last checkpoints (``last.ckpt`` and its
+    versions in each ``ModelCheckpoint``'s directory, and each ``OnExceptionCheckpoint``'s file) and, where a
+    ``ModelCheckpoint`` saves last checkpoints (``save_last``) or one exists, every checkpoint in those directories: a
+    run killed after a top-k save and before the ``last.ckpt`` of the same step (or before any) resumes from the top-k
+    file, which is newer, and a ``last.ckpt`` link that leads nowhere does not count. None (with a warning by the
+    caller) where candidates exist but none is whole; :data:`NO_CANDIDATE` where there is no candidate at all (then
+    Lightning's own method decides, and warns that there is no last checkpoint). A ``ModelCheckpoint`` without
     ``dirpath`` is looked at where Lightning's setup will derive it.
 
-    With ``local_copies`` (a local tier), a checkpoint counts where either tier holds it, dated by its local copy
-    where there is one (:func:`_whole_and_dated`): a last checkpoint durable on the local tier whose replication a
-    dead run did not finish is found all the same (its persistent path is returned; the plugin loads its local
-    copy)."""
+    With ``options.local_copies`` (a local tier), a checkpoint counts where its local copy is the one to read
+    (:func:`~lightning_datastates.tiered.copies.choose_copy`): one durable locally whose replication a dead run did not
+    finish is found all the same (its persistent path is returned; the plugin loads its local copy)."""
     candidates: dict[str, Any] = {}
     directories: dict[str, Any] = {}
-    local: dict[str, float] = {}  # persistent path -> its local copy's modification time
-    dangling: dict[str, float] = {}  # a last.ckpt link to a file neither tier holds -> when it was made
+    local: dict[str, tuple[int, str]] = {}  # persistent path -> the order key of its local copy, where that counts
+    lasts: set[str] = set()
+    every_checkpoint = False
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         path = getattr(callback, "ckpt_path", None) if isinstance(callback, OnExceptionCheckpoint) else None
         if path:  # as Lightning reads it
             candidates[str(path)] = get_filesystem(path)
-    checkpoint_callbacks = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
-    for callback in checkpoint_callbacks:
+            lasts.add(str(path))
+    for callback in (cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)):
         fs = callback._fs
         directory = _checkpoint_dir(callback, trainer)
+        every_checkpoint = every_checkpoint or bool(callback.save_last)
         if directory is not None:
             # Our writers change storage behind this file system's listing cache (filled by ModelCheckpoint's own
-            # listings, at setup): a last checkpoint written since would not be listed.
+            # listings, at setup): a checkpoint written since would not be listed.
             fs.invalidate_cache(directory)
             directories[directory] = fs
-        if local_copies is not None and directory is not None:
-            copies = local_copies(directory)
-            local.update(copies)
-            for path in copies:
-                if _is_last_name(callback, path):
-                    candidates[path] = fs
-    for callback in checkpoint_callbacks:  # once every local copy is known (callbacks may share a directory)
-        fs = callback._fs
+            if options.local_copies is not None:
+                local.update({p: key for p, key in options.local_copies(directory).items() if p not in local})
         for path in callback._find_last_checkpoints(trainer):
             path = _with_protocol(fs, path)
             candidates[path] = fs
-            if not _is_link(fs, path):
-                continue
-            # save_last="link": the link replaced whatever file had this name (a local copy of that file is not
-            # this checkpoint), and it is made as soon as the save call returns: a run killed before the file it
-            # names was committed (or, with a local tier, replicated) leaves it dangling. It then stands for the
-            # file it names where the local tier holds that, else for a last checkpoint that is not whole.
-            local.pop(path, None)
-            target = _dangling_link_target(path)
-            if target in local:
-                del candidates[path]
-                candidates[target] = fs
-            elif target is not None:
-                dangling[path] = os.lstat(path).st_mtime
-    found = {path: fs for path, fs in candidates.items() if path in local or path in dangling or _exists(fs, path)}
-    if not found:
+            lasts.add(path)
+        lasts.update(p for p in local if _is_last_name(callback, p))
+    if lasts or local:
+        every_checkpoint = True  # a last checkpoint exists: the newest of all resumes
+    if every_checkpoint:
+        for directory, fs in directories.items():
+            candidates.update({_with_protocol(fs, entry): fs for entry in _checkpoints_in(fs, directory)})
+        candidates.update({path: directories.get(path.rsplit("/", 1)[0]) for path in local if path not in candidates})
+    if not candidates and not lasts:
         return NO_CANDIDATE
-    dated = _whole_and_dated(found, max_age_s, local)
-    newest = max(dated, key=dated.__getitem__, default=None)
-    # A dangling link newer than every whole last checkpoint: its save was the newest, and the newest whole
-    # checkpoint of the directories may be newer than those (save_last="link" after a run that saved last.ckpt).
-    broken = sorted(path for path, stamp in dangling.items() if newest is None or stamp > dated[newest])
-    if newest is not None and not broken:
-        return newest
-    others = {
-        _with_protocol(fs, entry): fs
-        for directory, fs in directories.items()
-        for entry in _checkpoints_in(fs, directory)
-    }
-    others.update({path: directories.get(path.rsplit("/", 1)[0]) for path in local})
-    # The candidates were dated above (one request each on S3): not again. Those outside the directories (an
-    # OnExceptionCheckpoint's file) count as well.
-    others = {path: fs for path, fs in others.items() if path not in found}
-    whole = {**_whole_and_dated(others, max_age_s, local), **dated}
-    fallback = max(whole, key=whole.__getitem__, default=None)
-    if fallback is not None:
-        rank_zero_warn(
-            f'ckpt_path="last": the newest last checkpoint is not whole ({", ".join(broken or sorted(found))}: a run '
-            f"died saving it); resuming from the newest whole checkpoint instead, {fallback}"
-        )
-    return fallback
-
-
-def _whole_and_dated(candidates: dict[str, Any], max_age_s: float, local: dict[str, float]) -> dict[str, float]:
-    """The candidates holding a whole checkpoint on either tier, each with when it was saved: its local copy's time
-    where the local tier holds one (``local``, by persistent path: the time of its save), else the persistent
-    file's. A persistent copy is dated by its copy, in the order the local writes ended (S3: by its upload's start),
-    which is not always the saves' order."""
     dated = {}
     for path, fs in candidates.items():
-        if path in local:
-            dated[path] = local[path]
-        elif fs is not None and (stamp := _modified_s(fs, path, max_age_s)) is not None:
-            dated[path] = stamp
-    return dated
+        # A local copy counts only where it is the one to read: the same save as the persistent file or a newer one.
+        key = local.get(path) or _order(fs, path, options)
+        if key is not None:
+            dated[path] = key
+    newest = max(dated, key=dated.__getitem__, default=None)
+    if newest is not None and lasts:
+        # save_last="link": a link stands for the file it names (a local copy of it where the link leads nowhere).
+        targets = {p: os.path.realpath(p) if os.path.islink(p) else p for p in lasts}
+        broken = sorted(p for p in lasts if targets[p] not in dated and p not in dated)
+        stands_for = set(lasts) | set(targets.values())
+        if broken:
+            rank_zero_warn(
+                f'ckpt_path="last": {", ".join(broken)} is not whole (a run died saving it, or a link leads nowhere); '
+                f"resuming from the newest whole checkpoint, {newest}"
+            )
+        elif newest not in stands_for:
+            rank_zero_warn(
+                f'ckpt_path="last": resuming from {newest}, which is newer than the last checkpoint '
+                f"({', '.join(sorted(lasts))}): the run died before it saved the last checkpoint of that step"
+            )
+    return newest
+
+
+def _order(fs: Any, path: str, options: LastOptions) -> tuple[int, str] | None:
+    """The order key of the whole checkpoint at ``path`` on its own storage (the persistent tier): a file by its save
+    stamp (its modification time where it carries none), a sharded checkpoint's directory by its ``meta.pt`` (see
+    :func:`_modified_s`); None where nothing whole is there."""
+    if fs is None:
+        return None
+    if not (_is_local(fs) and os.path.isdir(path)):
+        try:
+            stamp = options.stamp_of(path)
+        except IsADirectoryError:
+            pass
+        except FileNotFoundError:
+            if _is_local(fs) or not fs.isdir(path):  # on S3 a directory is a prefix: no object at its name
+                return None
+        except OSError:
+            if _is_link(fs, path):
+                return None  # a link that leads nowhere (a loop, through a file): no checkpoint there
+            raise
+        else:
+            if stamp is not None:
+                return order_key(stamp, None)
+    modified = _modified_s(fs, path, options.max_age_s)
+    if modified is None:
+        return None
+    if fs.isdir(
+        path
+    ):  # a sharded checkpoint: its meta.pt carries the save's stamp (none where completed from a record)
+        with contextlib.suppress(OSError):
+            stamp = options.stamp_of(f"{path.rstrip('/')}/{LIGHTNING_META_NAME}")
+            if stamp is not None:
+                return order_key(stamp, None)
+    return order_key(None, modified)
 
 
 def _checkpoint_dir(callback: ModelCheckpoint, trainer: Trainer) -> str | None:
@@ -233,21 +249,6 @@ def _exists(fs: Any, path: str) -> bool:
 def _is_link(fs: Any, path: str) -> bool:
     """Whether ``path`` is a symbolic link on the local disk (``save_last="link"``; only local paths are linked)."""
     return _is_local(fs) and os.path.islink(path)
-
-
-def _dangling_link_target(path: str) -> str | None:
-    """Where the local symbolic link ``path`` leads when nothing is there (a dangling link: the end of its chain of
-    links, named from the link's directory as ModelCheckpoint named it; a loop: one of its links); else None."""
-    if os.path.exists(path):
-        return None
-    target = path
-    for _ in range(_MAX_LINKS):
-        try:
-            name = os.readlink(target)
-        except OSError:  # not a link: the missing end of the chain (or a path through a file)
-            return target
-        target = os.path.normpath(os.path.join(os.path.dirname(target), name))
-    return target
 
 
 def _checkpoints_in(fs: Any, directory: str) -> list[str]:

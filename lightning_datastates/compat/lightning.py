@@ -39,6 +39,26 @@ def unwrap_checkpoint_io(checkpoint_io: Any) -> Any:
     return checkpoint_io
 
 
+def wait_for_queued_saves(checkpoint_io: Any) -> None:
+    """Return once every save that wrappers around the plugin (``AsyncCheckpointIO``) queued before this call has
+    reached the plugin inside (its ``save_checkpoint`` returned). Caller: the training thread, before a removal or a
+    load, which the wrapper hands on at once while its saves wait on its executor thread: a removal would otherwise
+    not be held back behind the save queued before it (the new best checkpoint), and a load could read the file that
+    save is about to replace.
+
+    Checked against lightning 2.6.6: ``AsyncCheckpointIO`` saves through a private one-thread executor, ``_executor``
+    (None until its first save and after its teardown), in submission order; a no-op submitted now runs after them.
+    """
+    while isinstance(checkpoint_io, _WrappingCheckpointIO):
+        executor = getattr(checkpoint_io, "_executor", None)
+        if executor is not None:
+            try:
+                executor.submit(lambda: None).result()
+            except RuntimeError:  # shut down meanwhile (teardown): nothing is queued any more
+                pass
+        checkpoint_io = checkpoint_io.checkpoint_io
+
+
 def override_file_exists(
     checkpoint_callback: ModelCheckpoint,
     counts_as_existing: Callable[[Any, bool], bool],

@@ -19,6 +19,7 @@ import torch
 from lightning_datastates.records.chunks import Chunk
 from lightning_datastates.records.layout import CheckpointLayout
 from lightning_datastates.records.session import WriteSession
+from lightning_datastates.records.stamp import SaveStamp
 from lightning_datastates.records.through import WriteThrough
 
 
@@ -63,6 +64,8 @@ class SnapshotStats:
     replicated_bytes: int = 0
     persistent_durable_s: float | None = None
     replication: str | None = None
+    #: The save's stamp, written into the file (None: a file that carries none, a sharded checkpoint's shard file).
+    stamp: SaveStamp | None = None
 
     @property
     def final(self) -> bool:
@@ -107,6 +110,13 @@ class SnapshotJob:
     # save to the same path, which must finish first so saves to one path land in order).
     outstanding: int = 1
     successor: SnapshotJob | None = None
+    #: The next entry registered under the same path while this one was pending (the successor; see
+    #: :mod:`~lightning_datastates.snapshot.pending`): a removal waiting for this one waits for it if this one is
+    #: cancelled.
+    later: Any = None
+    #: Registered while a save of the same path was pending and cancelled that one (coalesced): this one is not
+    #: cancelled by the next save, so that a path saved again and again still lands at least every second save.
+    follows_cancelled: bool = False
     settled: bool = False  # past its commit or abort: deferred removals no longer wait for it
     lock: threading.Lock = field(default_factory=threading.Lock)
     on_ready: Callable[[SnapshotJob], None] | None = None

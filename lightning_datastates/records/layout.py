@@ -9,7 +9,9 @@ Pure records.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from lightning_datastates.records.stamp import SaveStamp, stamp_end_record
 
 #: Bytes of a CRC-32 field.
 CRC_FIELD_BYTES = 4
@@ -57,3 +59,16 @@ class CheckpointLayout:
     def payload_bytes(self) -> int:
         """Bytes of tensor data in the file."""
         return sum(r.nbytes for r in self.records)
+
+    def stamped(self, stamp: SaveStamp) -> CheckpointLayout:
+        """This layout with ``stamp`` as the archive's comment (:mod:`~lightning_datastates.records.stamp`): the end
+        record's comment length set and the comment appended, the file that much longer; this layout itself where its
+        last metadata segment is not the file's comment-less end record (then the file carries no stamp)."""
+        if not self.metadata:
+            return self
+        offset, data = self.metadata[-1]
+        end = stamp_end_record(data, stamp)
+        if end is None or offset + len(data) != self.total_bytes:
+            return self
+        metadata = (*self.metadata[:-1], (offset, end))
+        return replace(self, metadata=metadata, total_bytes=offset + len(end))

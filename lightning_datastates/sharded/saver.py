@@ -22,6 +22,7 @@ from lightning_datastates.capture.verified import VerifiedStructures
 from lightning_datastates.errors import CheckpointCaptureError
 from lightning_datastates.interrupts import sigint_deferred
 from lightning_datastates.records.job import SnapshotStats
+from lightning_datastates.records.stamp import SAVE_SEQUENCE, stamp_bytes
 from lightning_datastates.sharded.commit import ShardedCommitter, ShardedSave, remove_empty_local_directory
 from lightning_datastates.sharded.dcp_writer import join_path
 from lightning_datastates.sharded.layout import ArchivePlans
@@ -165,4 +166,5 @@ def _prepare_local_directory(path: str) -> None:
 def _serialized(meta: dict[str, Any]) -> bytes:
     buffer = io.BytesIO()
     torch.save(meta, buffer)
-    return buffer.getvalue()
+    # Stamped as a single-file checkpoint is (records/stamp.py): what orders sharded checkpoints for "last".
+    return stamp_bytes(buffer.getvalue(), SAVE_SEQUENCE.next())

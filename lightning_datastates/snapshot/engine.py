@@ -62,9 +62,10 @@ from lightning_datastates.records.checksums import checksummed
 from lightning_datastates.records.chunks import plan_chunks
 from lightning_datastates.records.job import JobState, SnapshotJob, SnapshotStats
 from lightning_datastates.records.layout import CheckpointLayout
+from lightning_datastates.records.stamp import SaveStamp
 from lightning_datastates.records.tasks import WAKE, WriteQueue
 from lightning_datastates.snapshot.backpressure import BackPressureWarning, describe_back_pressure
-from lightning_datastates.snapshot.pending import PendingCheckpoints, PendingCommit
+from lightning_datastates.snapshot.pending import PendingCheckpoints
 from lightning_datastates.snapshot.threads import EngineThreads
 from lightning_datastates.storage.base import StorageWriter
 from lightning_datastates.write.loop import WriteLoop
@@ -165,6 +166,7 @@ class SnapshotEngine:
         awaits_commit: bool = False,
         on_settled: Callable[[SnapshotJob], None] | None = None,
         persistent_path: str | None = None,
+        stamp: SaveStamp | None = None,
     ) -> SnapshotStats:
         """Snapshot ``checkpoint`` for ``path`` and return once training may go on.
 
@@ -180,6 +182,8 @@ class SnapshotEngine:
         ``on_arena_full="skip"``. ``on_settled`` becomes the job's hook (see :class:`SnapshotJob`): called on a writer
         thread once the file is committed or aborted; never for a skipped save. ``persistent_path``: ``path`` is the
         local copy of that checkpoint, replicated there after its commit (the stats say so from the start).
+        ``stamp``: the save's stamp, written into the file (:meth:`CheckpointLayout.stamped
+        <lightning_datastates.records.layout.CheckpointLayout.stamped>`) and kept in its stats.
 
         Raises:
             CheckpointCaptureError: the checkpoint cannot be pickled (nothing was written).
@@ -197,6 +201,7 @@ class SnapshotEngine:
             started_at,
             on_settled=on_settled,
             persistent_path=persistent_path,
+            stamp=stamp,
         )
 
     def capture_planned(
@@ -211,6 +216,7 @@ class SnapshotEngine:
         serve_loads: bool = True,
         on_settled: Callable[[SnapshotJob], None] | None = None,
         persistent_path: str | None = None,
+        stamp: SaveStamp | None = None,
     ) -> SnapshotStats:
         """:meth:`capture` of a file whose layout the caller planned: ``layout``, and ``storages`` indexed by its
         record keys (the shard files of a distributed checkpoint, :mod:`~lightning_datastates.sharded`).
@@ -218,6 +224,8 @@ class SnapshotEngine:
         back to the arena once written, even with ``serve_from_memory``: for a file no load of this plugin reads.
         Same contract and errors as :meth:`capture`."""
         started_at = time.perf_counter() if started_at is None else started_at
+        if stamp is not None:
+            layout = layout.stamped(stamp)
         devices = {s.device for s in storages if s.nbytes() > 0}
         data_path = self._open_data_path(arena_request_bytes(layout), serve_loads, cuda_device_of(devices))
         may_skip = lazy is not None and not awaits_commit
@@ -254,6 +262,7 @@ class SnapshotEngine:
                     started_at,
                     persistent_path=persistent_path,
                     replication=None if persistent_path is None else "pending",
+                    stamp=stamp,
                 ),
                 outstanding=2,  # the copy, and the metadata write
                 on_ready=data_path.writers.schedule_commit,
@@ -350,52 +359,33 @@ class SnapshotEngine:
         """The registry of pending work: this engine's files, and the sharded commits that register there too."""
         return self._pending
 
-    def is_pending(self, path: str) -> bool:
-        """Whether a checkpoint for ``path`` is captured but not yet committed (or dropped)."""
-        return self._pending.is_pending(path)
-
     def wait_path(self, path: str) -> None:
         """Wait until the pending checkpoint of ``path``, if any, is committed or dropped."""
         self._pending.wait_path(path)
 
-    def cancel_path(self, path: str) -> None:
-        """Drop the pending checkpoint of ``path`` (or let it finish if it is already committing) and wait, then its
-        resident image (the file itself stays)."""
-        self._pending.cancel_path(path)  # first: a pending write of it would publish a resident image after the drop
-        if self.resident is not None:
-            self.resident.drop_path(path)
-
-    def remove_after_pending(self, path: str, remove: Callable[[], None]) -> None:
-        """Remove ``path`` (by calling ``remove``) once every checkpoint captured so far is committed.
+    def remove_after_pending(self, path: str, remove: Callable[[], None], also: tuple[str, ...] = ()) -> None:
+        """Remove ``path`` (by calling ``remove``) once every checkpoint captured so far is committed, and then the
+        pending write of ``path`` (and of the paths in ``also``: its local copy) cancelled and ended.
 
         ModelCheckpoint removes the old top-k file right after saving the new one; deleting it before the new
-        one is durable would leave no checkpoint if the new write failed or the process died. A pending write of
-        ``path`` itself is cancelled first. If one of the awaited checkpoints fails (or one failed already and is
-        not yet reported), the file is kept.
+        one is durable would leave no checkpoint if the new write failed or the process died, and so would cancelling
+        its own pending write before then. If one of the awaited checkpoints fails (or one failed already and is not
+        yet reported), the file is kept (see :meth:`PendingCheckpoints.defer_removal
+        <lightning_datastates.snapshot.pending.PendingCheckpoints.defer_removal>`).
         """
-        self.cancel_path(path)  # its resident image goes at once, even if the file itself goes only later
-        self._pending.defer_removal(path, remove)
+        paths = (path, *also)
 
-    def is_removal_deferred(self, path: str) -> bool:
-        """Whether ``path`` is removed already as far as the caller knows, but kept until earlier writes land."""
-        return self._pending.is_removal_deferred(path)
+        def drop_images_then_remove() -> None:
+            if self.resident is not None:
+                for name in paths:
+                    self.resident.drop_path(name)  # a load after the removal must not find the file in memory
+            remove()
+
+        self._pending.defer_removal(path, drop_images_then_remove, also)
 
     def drain(self) -> None:
         """Wait until every pending checkpoint is committed or dropped."""
         self._pending.drain()
-
-    def pop_failure(self, path: str | None = None) -> SnapshotJob | PendingCommit | None:
-        """The oldest failed, not yet reported save (of ``path`` if given); it counts as reported now."""
-        return self._pending.pop_failure(path)
-
-    def warn_failures(self) -> None:
-        """Log each failed, not yet reported checkpoint as a warning (``on_flush_error="warn"``); it counts as
-        reported."""
-        self._pending.warn_failures()
-
-    def unreported_failures(self) -> list[SnapshotJob | PendingCommit]:
-        """Failed saves not yet reported, oldest first (they stay unreported)."""
-        return self._pending.unreported_failures()
 
     def abandon(self, wait_s: float = ABANDON_WAIT_S) -> Abandoned:
         """Training thread: give up every pending checkpoint now (the user asked to, with a second Ctrl-C while they

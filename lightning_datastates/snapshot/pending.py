@@ -20,9 +20,17 @@ Call order:
      (a second Ctrl-C while they drain, :mod:`~lightning_datastates.progress`): every pending file is cancelled and
      every removal held back is dropped; the entries still finish through 4) as their threads abort them.
 
-A save of a file that is still pending supersedes the pending one: that one is cancelled, and the new one commits
-only after it finished, so saves of one path land in order. Commits of one directory are published in order by their
-committer and never cancelled.
+Saves of one file land in order: a new save of a file still pending commits only after the pending one finished. The
+pending one is cancelled (coalesced: only the newer is worth writing), unless it itself follows a cancelled save: so a
+file saved again faster than storage takes it still lands at least every second save (``docs/design.md``, "The
+checkpoint lifecycle", invariant 5). Commits of one directory are published in order by their committer and never
+cancelled.
+
+A removal (:meth:`PendingCheckpoints.defer_removal`) never cancels a write that may still be needed: it waits until
+every save registered before it has landed, and only then cancels the removed file's own pending write, if any, and
+removes the file once that write has ended. An entry a removal waits for that is cancelled because a newer save of the
+same path superseded it hands the wait on to that newer save (:attr:`SnapshotJob.later`); one that fails or is
+skipped keeps the file (it may be the newest checkpoint there is).
 """
 
 from __future__ import annotations
@@ -59,6 +67,9 @@ class PendingCommit:
     finished: threading.Event = field(default_factory=threading.Event)
     settled: bool = False
     successor: Any = None  # never superseded: commits of one directory land in order
+    #: The next entry registered under the same path while this one was pending (a removal waiting for this one, if
+    #: it is cancelled, waits for that one instead).
+    later: Any = None
 
 
 @dataclass(eq=False)
@@ -96,8 +107,8 @@ class PendingCheckpoints:
         self.active: list[SnapshotJob | PendingCommit] = []
         self._latest_by_path: dict[str, SnapshotJob | PendingCommit] = {}
         self._failures: deque[SnapshotJob | PendingCommit] = deque()  # failed, not yet reported
-        # path -> (entries to wait for, remove callable): removals held back until earlier saves landed
-        self._deferred_removals: dict[str, tuple[list[SnapshotJob | PendingCommit], Callable[[], None]]] = {}
+        # path -> a removal held back until the saves before it landed (and then its file's own pending write ended)
+        self._deferred_removals: dict[str, _Removal] = {}
         # path -> set once the removal of path that a finishing entry carries out is done
         self._running_removals: dict[str, threading.Event] = {}
         # Removals right after a save that was skipped (or a sharded save not committed) keep their file, until the
@@ -124,6 +135,9 @@ class PendingCheckpoints:
         with self.lock:
             self._deferred_removals.pop(commit.path, None)
             # The skip flag stays: a sharded save whose own file was skipped registers its commit all the same.
+            predecessor = self._latest_by_path.get(commit.path)
+            if predecessor is not None and not predecessor.finished.is_set():
+                predecessor.later = commit
             self._latest_by_path[commit.path] = commit
             self.active.append(commit)
 
@@ -134,9 +148,14 @@ class PendingCheckpoints:
         self._abandoned_since_last_capture = False
         predecessor = self._latest_by_path.get(job.path)
         if isinstance(predecessor, SnapshotJob) and not predecessor.finished.is_set():
-            # A newer save of the same path supersedes the pending one; it commits only after that one ended.
-            predecessor.cancel_requested = True
-            predecessor.successor = job
+            # The new save commits only after the pending one ended, so that saves of one path land in order. The
+            # pending one is coalesced away, unless it follows a cancelled save itself: at least every second lands.
+            if predecessor.follows_cancelled:
+                job.follows_cancelled = False
+            else:
+                predecessor.cancel_requested = True
+                job.follows_cancelled = True
+            predecessor.successor = predecessor.later = job
             job.outstanding += 1
         self._latest_by_path[job.path] = job
         self.active.append(job)
@@ -174,53 +193,61 @@ class PendingCheckpoints:
         if job is not None:
             job.finished.wait()
 
-    def cancel_path(self, path: str) -> None:
-        """Drop the engine's pending checkpoint of ``path`` (or let it finish if it is already committing) and wait;
-        a replication to the persistent ``path`` is asked to stop, not waited for; a sharded directory's commit is
-        never cancelled (a removal of it is held back behind it instead)."""
-        with self.lock:
-            job = self._latest_by_path.get(path)
-        if isinstance(job, PendingReplication):
-            # Not waited for: it ends when its replicator reaches it, maybe behind another file's copy; a removal
-            # held back behind it (defer_removal) runs once it has.
-            job.cancel_requested = True
-        elif isinstance(job, SnapshotJob) and not job.finished.is_set():
-            job.cancel_requested = True
-            job.finished.wait()
+    def defer_removal(self, path: str, remove: Callable[[], None], also: tuple[str, ...] = ()) -> None:
+        """Call ``remove`` once every save registered so far is settled, and the pending writes of ``path`` and of
+        ``also`` (the local tier's copy of it) are cancelled and ended; now if nothing is pending (on the caller's
+        thread), else on the thread that finishes the last of them. Keep the file instead (with a warning) if a newer
+        checkpoint failed or was skipped, or if an awaited one fails or is skipped: it may be the newest there is.
 
-    def defer_removal(self, path: str, remove: Callable[[], None]) -> None:
-        """Call ``remove`` now if no save registered so far is still unsettled, else once they all are (on the thread
-        that finishes the last); keep the file instead (with a warning) if a newer checkpoint failed or was skipped,
-        or if an awaited one fails or is skipped.
+        The removed file's own pending write is cancelled only once every other save before the removal landed (see
+        the module docstring): until then it may still be needed, if the newer save fails.
 
         Raises:
             Exception: whatever ``remove`` raised, where it ran now (on the caller's thread).
         """
         with self.lock:
-            if self._failures:  # a newer checkpoint already failed (not yet reported): keep this one
-                log.warning(
-                    "lightning_datastates: keeping %s, which was to be removed: a newer write failed (raised as "
-                    "CheckpointFlushError). Delete it by hand once a newer checkpoint is saved, if you do not need it.",
-                    path,
-                )
+            reason = self._reason_to_keep()
+            if reason is not None:
+                log.warning("lightning_datastates: keeping %s, which was to be removed: %s", path, reason)
                 return
-            if self._skipped_since_last_capture:  # the checkpoint that was to replace it was skipped
-                log.warning(
-                    "lightning_datastates: keeping %s, which was to be removed: a newer save was skipped or failed",
-                    path,
-                )
-                return
-            if self._abandoned_since_last_capture:  # the checkpoint that was to replace it may have been given up
-                log.warning(
-                    "lightning_datastates: keeping %s, which was to be removed: the writes in flight were abandoned",
-                    path,
-                )
-                return
-            waiting = [job for job in self.active if not job.settled]
-            if waiting:
-                self._deferred_removals[path] = (waiting, remove)
-                return
-        remove()
+            own = [
+                e for p in (path, *also) if (e := self._latest_by_path.get(p)) is not None and not e.finished.is_set()
+            ]
+            waiting = [entry for entry in self.active if not entry.settled and entry not in own]
+            removal = _Removal(waiting, remove, own)
+            due = self._advance(path, removal)
+        if due:
+            remove()
+
+    def _reason_to_keep(self) -> str | None:
+        """Why a removal asked for now keeps its file (call with :attr:`lock` held); None if it may go ahead."""
+        if self._failures:  # a newer checkpoint already failed (not yet reported)
+            return (
+                "a newer write failed (raised as CheckpointFlushError). Delete it by hand once a newer checkpoint is "
+                "saved, if you do not need it"
+            )
+        if self._skipped_since_last_capture:  # the checkpoint that was to replace it was skipped
+            return "a newer save was skipped or failed"
+        if self._abandoned_since_last_capture:  # the checkpoint that was to replace it may have been given up
+            return "the writes in flight were abandoned"
+        return None
+
+    def _advance(self, path: str, removal: _Removal) -> bool:
+        """Move ``removal`` of ``path`` on as far as it goes now (call with :attr:`lock` held): held back while it
+        waits; once the saves before it landed, its own pending writes cancelled (a sharded directory's commit is
+        waited for, never cancelled) and waited for; True once nothing is left to wait for (the caller runs it,
+        outside the lock), and then it is no longer held here."""
+        if not removal.waiting and not removal.cancelling and removal.own:
+            removal.cancelling = True
+            for entry in removal.own:
+                if isinstance(entry, (SnapshotJob, PendingReplication)):
+                    entry.cancel_requested = True
+            removal.waiting = [entry for entry in removal.own if not entry.settled]
+        if removal.waiting:
+            self._deferred_removals[path] = removal
+            return False
+        self._deferred_removals.pop(path, None)
+        return True
 
     def is_removal_deferred(self, path: str) -> bool:
         """Whether ``path`` is removed already as far as the caller knows, but kept until earlier writes land (or
@@ -265,7 +292,7 @@ class PendingCheckpoints:
                     entry.cancel_requested = entry.keep_marker = True
             self._abandoned.update((id(entry), entry) for entry in entries)
             self._abandoned_since_last_capture = True
-            kept = sorted(self._deferred_removals)
+            kept = sorted(self._deferred_removals)  # their files stay: their own writes, if any, go on or are given up
             self._deferred_removals.clear()
         if kept:
             log.warning(
@@ -328,7 +355,8 @@ class PendingCheckpoints:
         """Mark ``job`` settled; return the deferred removals it was the last to hold back, each registered as running.
 
         A job that failed (or a commit skipped) drops the removals waiting for it: the file to remove may be the last
-        good checkpoint.
+        good checkpoint. A job cancelled because a newer save of its path superseded it hands their wait on to that
+        save.
         """
         due = []
         with self.lock:
@@ -340,20 +368,50 @@ class PendingCheckpoints:
                 self._failures.append(job)
             if isinstance(job, PendingCommit) and job.state in _NOT_COMMITTED:
                 self._skipped_since_last_capture = True  # the next removals keep their file, as after a skipped save
-            for path, (waiting, remove) in list(self._deferred_removals.items()):
-                if job not in waiting:
+            for path, removal in list(self._deferred_removals.items()):
+                if job not in removal.waiting:
                     continue
-                if job.state in _NOT_COMMITTED:
-                    del self._deferred_removals[path]
-                    log.warning(
-                        "lightning_datastates: keeping %s, which was to be removed, because writing %s failed",
-                        path,
-                        job.path,
-                    )
-                    continue
-                waiting.remove(job)
-                if not waiting:
-                    del self._deferred_removals[path]
+                removal.waiting.remove(job)
+                if not removal.cancelling:  # a save before the removal: the file may go only once it landed
+                    landed = _landed(job)
+                    if landed is None:
+                        del self._deferred_removals[path]
+                        log.warning(
+                            "lightning_datastates: keeping %s, which was to be removed, because writing %s failed",
+                            path,
+                            job.path,
+                        )
+                        continue
+                    superseded = landed is not job and not landed.settled
+                    if superseded and landed not in removal.own and landed not in removal.waiting:
+                        removal.waiting.append(landed)  # the newer save of that path is what replaces the file
+                if self._advance(path, removal):
                     done = self._running_removals[path] = threading.Event()
-                    due.append((path, remove, done))
+                    due.append((path, removal.remove, done))
         return due
+
+
+@dataclass(eq=False)
+class _Removal:
+    """A removal held back (:meth:`PendingCheckpoints.defer_removal`): ``remove`` runs once ``waiting`` is empty.
+
+    ``own``: the pending entries of the removed file itself (and of its local copy), cancelled only once every other
+    save registered before the removal landed; ``cancelling`` is set then, and ``waiting`` holds them until they end.
+    """
+
+    waiting: list[SnapshotJob | PendingCommit]
+    remove: Callable[[], None]
+    own: list[SnapshotJob | PendingCommit]
+    cancelling: bool = False
+
+
+def _landed(entry: SnapshotJob | PendingCommit) -> SnapshotJob | PendingCommit | None:
+    """What a removal waiting for the settled ``entry`` waits for now: ``entry`` itself where it was committed (or
+    cancelled for good: a removal of its own file, an abandon); the newer save of its path that superseded it, where
+    it was cancelled for one (that one, or the one after it, is the checkpoint that replaces the removed file); None
+    where it failed or was skipped (the removed file is kept)."""
+    while entry.state is JobState.CANCELLED and entry.later is not None:
+        entry = entry.later
+        if not entry.settled:
+            return entry
+    return None if entry.state in _NOT_COMMITTED else entry

@@ -28,6 +28,7 @@ from several threads at once (the training thread begins, loads and cleans while
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -35,8 +36,9 @@ from typing import BinaryIO
 
 from lightning_datastates.config import DEFAULT_STALE_AGE_S
 from lightning_datastates.records.session import WriteSession
+from lightning_datastates.records.stamp import TAIL_BYTES, SaveStamp, parse_stamp
 
-__all__ = ["DirectoryEntry", "StorageWriter", "write_file"]
+__all__ = ["DirectoryEntry", "StorageWriter", "read_stamp", "write_file"]
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,20 @@ class StorageWriter(ABC):
         with self.open_read(path) as stream:
             return stream.read()
 
+    def read_tail(self, path: str, nbytes: int) -> bytes:
+        """The last ``nbytes`` bytes of the committed file at ``path`` (all of it where it is shorter): where a file
+        keeps its save stamp (:mod:`~lightning_datastates.records.stamp`). By default read through
+        :meth:`open_read`; a backend with a cheaper way overrides it (one ranged request).
+
+        Raises:
+            FileNotFoundError: nothing at ``path``.
+            IsADirectoryError: a directory is at ``path`` (a sharded checkpoint).
+        """
+        with self.open_read(path) as stream:
+            size = stream.seek(0, os.SEEK_END)
+            stream.seek(max(0, size - nbytes))
+            return bytes(stream.read())
+
     def copy_shape(self, window_bytes: int, streams: int) -> tuple[int, int]:
         """How a copy of a whole file into this backend is best cut (the local tier's replication): bytes per
         ``write_range`` and calls in flight at once, given the caller's defaults. The default keeps them; a backend
@@ -168,3 +184,17 @@ def write_file(writer: StorageWriter, path: str, data: bytes) -> None:
     except BaseException:
         session.abort()
         raise
+
+
+def read_stamp(writer: StorageWriter, path: str) -> SaveStamp | None:
+    """The save stamp of the committed file at ``path`` (:mod:`~lightning_datastates.records.stamp`): None where it
+    carries none (written by plain Lightning or an older release) or is a directory (a sharded checkpoint).
+
+    Raises:
+        FileNotFoundError: nothing at ``path``.
+        OSError: storage could not be read (``S3WriteError`` on S3).
+    """
+    try:
+        return parse_stamp(writer.read_tail(path, TAIL_BYTES))
+    except IsADirectoryError:
+        return None

@@ -9,8 +9,10 @@ can tell what each directory belongs to. The local copy of ``<persistent directo
 ``<local directory>/<name>``.
 
 A save marks its local copy as not replicated before anything is written: a small file
-``.<name>.<host>.<pid>.<token>.datastates-replicate`` beside it, holding what this node last knew of the persistent
-file (:meth:`TierLayout.mark`) (the leftover naming rule of
+``.<name>.<host>.<pid>.<token>.datastates-replicate`` beside it, holding the save's stamp (:meth:`TierLayout.mark`;
+the copy it marks is the local file carrying that stamp, :mod:`~lightning_datastates.records.stamp`), and, once
+``ModelCheckpoint`` asked for the checkpoint's removal, that the copy is not wanted (:meth:`TierLayout.mark_unwanted`)
+(the leftover naming rule of
 :mod:`~lightning_datastates.records.leftovers`, so that the owner can be told from the name), removed once the copy
 at the persistent path is committed. A marker whose writer is gone is a replication a dead run did not finish: the
 next run's recovery replicates that local copy (:mod:`~lightning_datastates.tiered.tiers`). Markers are created
@@ -24,6 +26,7 @@ Thread model: every method may run on any thread; the caller orders marking agai
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -33,6 +36,7 @@ from collections import defaultdict
 
 from lightning_datastates.errors import ConfigError
 from lightning_datastates.records.leftovers import LeftoverName, leftover_name, parse_leftover_name
+from lightning_datastates.records.stamp import SaveStamp
 from lightning_datastates.storage.base import write_file
 from lightning_datastates.storage.local import MAX_NAME_BYTES, LocalWriter
 
@@ -54,6 +58,18 @@ def _marker_content(marker: str) -> dict[str, object]:
     except (OSError, ValueError):
         return {}
     return content if isinstance(content, dict) else {}
+
+
+def _marker_bytes(name: str, stamp: SaveStamp, unwanted: bool) -> bytes:
+    return json.dumps({"name": name, "stamp": [stamp.sequence, stamp.run], "unwanted": unwanted}).encode()
+
+
+def stamp_of_content(content: dict[str, object]) -> SaveStamp | None:
+    """The stamp a marker's content (:func:`_marker_content`) names; None where it names none. Pure."""
+    stamp = content.get("stamp")
+    if isinstance(stamp, list) and len(stamp) == 2 and isinstance(stamp[0], int) and isinstance(stamp[1], str):
+        return SaveStamp(stamp[0], stamp[1])
+    return None
 
 
 def persistent_dir(path: str) -> str:
@@ -107,12 +123,9 @@ class TierLayout:
         return os.path.join(directory, persistent_path.rstrip("/").rsplit("/", 1)[-1])
 
     @staticmethod
-    def mark(local_path: str, seen: str) -> str:
+    def mark(local_path: str, stamp: SaveStamp) -> str:
         """Mark the local copy at ``local_path`` as not replicated (before it is written); the marker's path.
-
-        ``seen`` is what this node last knew of the persistent file (the fingerprint its last replication left, as
-        text; empty where it never replicated this name): a later reader can tell from it whether the persistent file
-        changed since, written by another node, and the marked copy is then not the newest.
+        ``stamp`` is the save's: the marker marks the local file that carries it, not an older copy of the name.
 
         Raises:
             OSError: the marker cannot be created (it names the path).
@@ -123,15 +136,40 @@ class TierLayout:
         marker = os.path.join(directory, leftover_name(name, REPLICATE_SUFFIX, MAX_NAME_BYTES))
         fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
-            os.write(fd, json.dumps({"name": name, "seen": seen}).encode())
+            os.write(fd, _marker_bytes(name, stamp, unwanted=False))
         finally:
             os.close(fd)
         return marker
 
     @staticmethod
-    def seen_in(marker: str) -> str:
-        """What the save that made ``marker`` knew of the persistent file (see :meth:`mark`); empty if nothing."""
-        return str(_marker_content(marker).get("seen") or "")
+    def mark_unwanted(markers: list[str]) -> None:
+        """Note in ``markers`` that their copy's checkpoint is to be removed (``ModelCheckpoint`` asked; the removal
+        waits for newer checkpoints to be persistent): a run killed meanwhile has the next run's recovery drop that
+        copy, not replicate it, once a newer checkpoint is whole on either tier. Rewritten in place: a marker torn by
+        a crash here still marks its copy, which is then replicated as before the request (nothing lost). Missing
+        markers are fine."""
+        for marker in markers:
+            content = _marker_content(marker)
+            name, stamp = content.get("name"), stamp_of_content(content)
+            if not isinstance(name, str) or stamp is None:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                fd = os.open(marker, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
+                try:
+                    os.write(fd, _marker_bytes(name, stamp, unwanted=True))
+                finally:
+                    os.close(fd)
+
+    @staticmethod
+    def stamp_in(marker: str) -> SaveStamp | None:
+        """The stamp of the save that made ``marker`` (see :meth:`mark`); None where it holds none (an older
+        release's marker, or one torn by a crash: it then marks whatever copy is there)."""
+        return stamp_of_content(_marker_content(marker))
+
+    @staticmethod
+    def unwanted(marker: str) -> bool:
+        """Whether ``marker``'s checkpoint was to be removed (:meth:`mark_unwanted`)."""
+        return _marker_content(marker).get("unwanted") is True
 
     @staticmethod
     def unmark(markers: list[str]) -> None:

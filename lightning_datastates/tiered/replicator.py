@@ -26,7 +26,6 @@ exit a copy in flight is finished, as the engine's writes are); :meth:`Replicato
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
@@ -66,8 +65,6 @@ class Replication:
     size: int = 0
     modified_ns: int | None = None  # the local copy's date (its save's): the persistent copy gets it too
     open_error: OSError | None = None
-    #: The persistent file's fingerprint once committed (what the local copy is a replica of), for the caller.
-    persistent_fingerprint: Hashable | None = None
     _bytes_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add_replicated(self, nbytes: int) -> None:
@@ -95,11 +92,6 @@ def file_fingerprint(fd: int) -> Hashable:
     return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
 
 
-def fingerprint_text(fingerprint: Hashable | None) -> str:
-    """``fingerprint`` as text that compares equal across a round trip through a file (tuples become lists)."""
-    return json.dumps(fingerprint)
-
-
 class Replicator:
     """Copies of committed local checkpoints to their persistent paths: one ordered coordinator, windows in
     parallel (see the module docstring).
@@ -114,6 +106,8 @@ class Replicator:
             (``item.markers``) and applies the retention of the local tier; its failures are logged (the markers are
             removed then).
         unmark: removes markers (those of a copy that was cancelled, or whose local write failed).
+        keep: called with the markers of a copy that stays marked for a later recovery (its copy failed, or was given
+            up by an abandon).
     """
 
     def __init__(
@@ -125,6 +119,7 @@ class Replicator:
         streams: int,
         after_commit: Callable[[Replication], None],
         unmark: Callable[[list[str]], None],
+        keep: Callable[[list[str]], None],
     ) -> None:
         self._writer_for = writer_for
         self._resident = resident
@@ -133,6 +128,7 @@ class Replicator:
         self._streams = streams
         self._after_commit = after_commit
         self._unmark = unmark
+        self._keep = keep
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._queue: deque[Replication] = deque()
@@ -250,8 +246,9 @@ class Replicator:
         try:
             if outcome is JobState.COMMITTED:
                 self._after_commit(item)
-            elif not (entry.keep_marker or (outcome is JobState.FAILED and entry.error is not None)):
-                # A copy that failed stays marked for the next run, and so does one given up by an abandon.
+            elif entry.keep_marker or (outcome is JobState.FAILED and entry.error is not None):
+                self._keep(item.markers)  # a copy that failed stays marked for a recovery, and so does one abandoned
+            else:
                 self._unmark(item.markers)
         except Exception:  # a marker or a copy left on the local tier is no loss
             log.exception("lightning_datastates: after replicating %s", entry.path)
@@ -305,10 +302,6 @@ class Replicator:
         except BaseException:
             _abort(session, item)
             raise
-        try:
-            item.persistent_fingerprint = writer.fingerprint(item.entry.path)
-        except Exception:  # committed all the same; without the note, loads read the persistent copy
-            log.warning("lightning_datastates: cannot look up %s after copying it", item.entry.path, exc_info=True)
         return JobState.COMMITTED
 
     def _window(self, item: Replication, session: WriteSession, offset: int, nbytes: int, buffer: bytearray) -> None:

@@ -78,6 +78,27 @@ def read_into(
     raise AssertionError("unreachable")
 
 
+def read_tail(client: S3Client, path: str, nbytes: int) -> bytes:
+    """The last ``nbytes`` bytes of the object at ``path`` (all of it where it is shorter): one GET of a suffix range.
+
+    Raises:
+        S3NotFoundError: nothing at ``path`` (a ``FileNotFoundError``).
+        S3WriteError: the request failed (after retries).
+    """
+    bucket, key = client.split(path)
+
+    async def get() -> bytes:
+        response = await client.call("get_object", Bucket=bucket, Key=key, Range=f"bytes=-{nbytes}")
+        body = response["Body"]
+        try:
+            data = bytes(await body.read())
+        finally:
+            body.close()
+        return data[-nbytes:]  # a server that ignores Range answers the whole object
+
+    return bytes(client.run(f"reading the end of {path}", get, nbytes=nbytes))
+
+
 def read_bytes(client: S3Client, path: str, *, max_concurrent_parts: int, read_range_bytes: int | None) -> bytearray:
     """The whole object at ``path`` in a new ``bytearray`` (see :func:`read_into`)."""
     buffers: list[bytearray] = []

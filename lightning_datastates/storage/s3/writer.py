@@ -286,6 +286,15 @@ class S3Writer(StorageWriter):
             return None
         return os.fdopen(reads.fetch_into_memfd(self, path), "rb")
 
+    def read_tail(self, path: str, nbytes: int) -> bytes:
+        """The last ``nbytes`` bytes of the object at ``path`` (one ranged GET).
+
+        Raises:
+            S3NotFoundError: nothing at ``path`` (a ``FileNotFoundError``).
+            S3WriteError: the request failed (after retries).
+        """
+        return reads.read_tail(self.client, path, nbytes)
+
     def read_bytes(self, path: str) -> bytearray:
         """The whole object at ``path`` in a new ``bytearray`` (concurrent ranged GETs, see :meth:`read_into`).
 
