@@ -114,7 +114,8 @@ class DataStatesIO(CheckpointIO):
             node. Single-file checkpoints on one node (sharded strategies and several nodes are refused at setup).
             See the README, "Tiered checkpoints".
         local_keep: how many of the newest checkpoints of each directory the local tier keeps once replicated
-            (default 2; 0: each local copy goes once replicated). Copies not yet replicated are always kept.
+            (default 2), the copy of each last checkpoint (``last.ckpt``) kept beside them; 0: each local copy goes
+            once replicated, ``last.ckpt``'s too. Copies not yet replicated are always kept.
     """
 
     def __init__(

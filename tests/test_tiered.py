@@ -258,7 +258,7 @@ def test_a_replicated_local_copy_of_a_deleted_persistent_file_is_not_brought_bac
     assert any("removing" in r.getMessage() and "gone" in r.getMessage() for r in caplog.records)
 
 
-def test_a_marked_local_copy_older_than_the_persistent_file_is_neither_loaded_nor_replicated(tmp_path):
+def test_a_marked_local_copy_older_than_the_persistent_file_is_neither_loaded_nor_replicated(tmp_path, caplog):
     """The job died on this node with a local copy not yet replicated, ran on another node, which wrote the persistent
     file since, and came back: the local copy is older than the persistent file, which stays as it is."""
     tier, persist = tmp_path / "local", tmp_path / "persist"
@@ -273,10 +273,14 @@ def test_a_marked_local_copy_older_than_the_persistent_file_is_neither_loaded_no
     torch.save(newer, persist / "last.ckpt")  # the other node's (plain torch.save: dated by its modification time)
     plugin = DataStatesIO(local_tier=str(tier), **SMALL)
     assert plugin.load_checkpoint(str(persist / "last.ckpt"), weights_only=False)["global_step"] == 99
-    pipeline_of(plugin).clean_stale(str(persist))
+    with caplog.at_level(logging.WARNING, logger="lightning_datastates"):
+        pipeline_of(plugin).clean_stale(str(persist))
     plugin.drain()
     assert torch.load(persist / "last.ckpt", weights_only=False)["global_step"] == 99
     assert _markers(local) == []
+    # Said where users see it (issue 39, H: it was an INFO line), and the stale copy is gone.
+    assert any("not replicating" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+    assert not (local / "last.ckpt").exists()
 
 
 def test_new_node_with_an_empty_local_tier_resumes_from_the_persistent_tier(tmp_path):
