@@ -23,7 +23,7 @@ import logging
 import sys
 from collections.abc import Iterator
 from functools import partial
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
@@ -31,6 +31,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_datastates.capture.admission import state_request_bytes
 from lightning_datastates.compat.lightning import (
+    checkpoint_path_str,
     override_file_exists,
     restore_file_exists,
     unwrap_checkpoint_io,
@@ -39,6 +40,8 @@ from lightning_datastates.compat.lightning import (
 from lightning_datastates.compat.torch import local_shard, persistent_buffers, storage_identity
 from lightning_datastates.compat.trainer_hooks import is_logging_step
 from lightning_datastates.copy.pinning import cuda_device_of
+from lightning_datastates.errors import CheckpointFlushError
+from lightning_datastates.file_systems import adopt_file_systems
 from lightning_datastates.metrics import CheckpointMetrics
 from lightning_datastates.pipeline import CheckpointPipeline
 from lightning_datastates.progress import drain_on_interrupt, drain_with_progress
@@ -88,7 +91,7 @@ class DataStatesCallback(Callback):
         if callbacks and callbacks[0] is not self and self in callbacks:
             callbacks.remove(self)
             callbacks.insert(0, self)
-        pipeline.adopt_file_systems(trainer)  # before ModelCheckpoint's setup lists its directory
+        adopt_file_systems(trainer, pipeline.config.storage_options)  # before ModelCheckpoint's setup lists it
         for checkpoint_callback in trainer.checkpoint_callbacks:
             if isinstance(checkpoint_callback, ModelCheckpoint):
                 self._patch_file_exists(checkpoint_callback, pipeline)
@@ -300,8 +303,24 @@ class DataStatesCallback(Callback):
         flight must count, and one whose removal waits for newer checkpoints to land must not, or names would
         differ from a synchronous run.
         """
-        override_file_exists(checkpoint_callback, pipeline.counts_as_existing, pipeline.storage_unreachable)
+        override_file_exists(checkpoint_callback, pipeline.counts_as_existing, partial(_storage_unreachable, pipeline))
         self._patched.append(checkpoint_callback)
+
+
+def _storage_unreachable(pipeline: CheckpointPipeline, path: Any, error: Exception) -> NoReturn:
+    """``ModelCheckpoint`` could not ask storage whether ``path`` exists (it picks its file names so): a store that
+    went away. Once the saves in flight ended (they fail against the same store, within their timeouts), raise the
+    oldest failure among them, the cause; else this one, as a ``CheckpointFlushError`` naming ``path``.
+
+    Raises:
+        CheckpointFlushError: always.
+    """
+    path = checkpoint_path_str(path)
+    pipeline.drain()
+    pipeline.raise_pending_failure()  # with on_flush_error="warn" it logs them, and this one is raised below
+    raise CheckpointFlushError(
+        f"cannot ask storage whether {path} exists (ModelCheckpoint picks its file names so): {error!r}", path
+    ) from error
 
 
 def checkpoint_state_tensors(trainer: Trainer, with_optimizer_state: bool) -> Iterator[torch.Tensor]:

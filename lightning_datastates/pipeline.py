@@ -22,16 +22,13 @@ import os
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import IO, TYPE_CHECKING, Any, NoReturn, Protocol, cast
+from typing import IO, TYPE_CHECKING, Any, Protocol, cast
 
-import fsspec
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_datastates.compat.lightning import (
     CheckpointPath,
     checkpoint_path_str,
-    use_file_system,
 )
 from lightning_datastates.config import DataStatesConfig
 from lightning_datastates.errors import CheckpointFlushError
@@ -42,9 +39,9 @@ from lightning_datastates.records.stamp import SAVE_SEQUENCE, SaveStamp
 from lightning_datastates.sharded.leftovers import clean_leftovers
 from lightning_datastates.snapshot.engine import LazyPredicate, SnapshotEngine
 from lightning_datastates.snapshot.pending import flush_error
-from lightning_datastates.storage import StorageWriter, fsspec_storage_options, writer_for, writer_kind
-from lightning_datastates.storage.base import read_stamp
+from lightning_datastates.storage import StorageWriter, writer_for, writer_kind
 from lightning_datastates.storage.removal import remove_checkpoint
+from lightning_datastates.storage.stamps import observe_directory, observe_quietly, observe_stamp
 from lightning_datastates.tiered.tiers import NOT_LOCAL, TieredCheckpoints
 
 if TYPE_CHECKING:
@@ -80,6 +77,7 @@ class CheckpointPipeline:
         self._engine: SnapshotEngine | None = None
         self._owner: PluginOwner | None = None
         self._cleaned_directories: set[str] = set()
+        self._recovered_in_fit: set[str] = set()  # directories whose local copies this fit recovered (see clean_once)
         # One storage writer per protocol ("" for local paths), built on first use; on the training thread only.
         self._writers: dict[str, StorageWriter] = {}
         self._sharded: ShardedSaver | None = None  # set while a sharded strategy's saves go through the plugin
@@ -93,16 +91,40 @@ class CheckpointPipeline:
         """:meth:`DataStatesIO.save_checkpoint <lightning_datastates.DataStatesIO.save_checkpoint>`: snapshot
         ``checkpoint`` and return (outside fit's training loop: once the file is committed)."""
         started = time.perf_counter()
-        self.raise_pending_failure()
         path = checkpoint_path_str(path)
+        try:
+            stats, awaits_commit = self._capture(checkpoint, path)
+        except BaseException:
+            # This save did not happen: a top-k removal right after it (with AsyncCheckpointIO, whose thread swallows
+            # the error, training goes on) keeps its file, as after a skipped save.
+            self.engine.pending.note_skipped(path)
+            raise
+        if awaits_commit:
+            self.wait_for_commit(path)  # with a local tier: until the copy at path is committed
+            # Nothing of the training loop follows to drain or tear down: the threads end now, as a synchronous save
+            # leaves none behind (the next save starts them again).
+            self._close()
+        stats.save_call_s = time.perf_counter() - started
+
+    def _capture(self, checkpoint: dict[str, Any], path: str) -> tuple[SnapshotStats, bool]:
+        """The first part of :meth:`save_checkpoint`: report an earlier failure, clean the directory once, number the
+        save and hand it to the engine (or the local tier); its stats, and whether the call must wait for the commit
+        (:meth:`lazy_for_save`).
+
+        Raises:
+            CheckpointFlushError: an earlier save failed, or this one cannot be started (its cause chained).
+            CheckpointCaptureError: the checkpoint cannot be pickled.
+        """
+        self.raise_pending_failure()
         writer = self.writer_for(path)
         directory = os.path.dirname(path) or "."
         lazy, awaits_commit = self.lazy_for_save()
         try:
             self.clean_once(directory)
             self.engine.pending.before_save(path)  # a removal of this path held back must not delete the new file
-            # Which save this is, in the one order every "which copy is newest" follows (records/stamp.py).
-            stamp = SAVE_SEQUENCE.next()
+            # Which save this is, in the one order every "which copy is newest" follows (records/stamp.py); a
+            # checkpoint without optimizer states (save_weights_only) is no resume point for ckpt_path="last".
+            stamp = SAVE_SEQUENCE.next(resumable="optimizer_states" in checkpoint)
             with sigint_deferred():  # Ctrl+C must not split a capture (see interrupts.py)
                 if self.tiers is not None:  # written to the local copy, replicated to path after its commit
                     stats = self.tiers.save(self.engine, checkpoint, path, lazy, awaits_commit, stamp)
@@ -112,12 +134,7 @@ class CheckpointPipeline:
                     )
         except OSError as exc:
             raise CheckpointFlushError(f"cannot write checkpoint {path}: {exc}", path) from exc
-        if awaits_commit:
-            self.wait_for_commit(path)  # with a local tier: until the copy at path is committed
-            # Nothing of the training loop follows to drain or tear down: the threads end now, as a synchronous save
-            # leaves none behind (the next save starts them again).
-            self._close()
-        stats.save_call_s = time.perf_counter() - started
+        return stats, awaits_commit
 
     def wait_for_commit(self, path: str) -> None:
         """Return once the pending save of ``path`` (a file, or a sharded checkpoint's directory) is committed, and no
@@ -150,7 +167,9 @@ class CheckpointPipeline:
             loaded = self.tiers.load(self._engine, path, partial(self._load_from, map_location, weights_only))
             if loaded is not NOT_LOCAL:
                 return cast(dict[str, Any], loaded)
-        return self._load_from(map_location, weights_only, path, verify_checksums=self.config.verify_checksums)
+        loaded = self._load_from(map_location, weights_only, path, verify_checksums=self.config.verify_checksums)
+        observe_quietly(self.writer_for(path), path)  # resumed from it: later saves come after it
+        return loaded
 
     def _load_from(
         self, map_location: Any, weights_only: bool | None, path: str, verify_checksums: bool = True
@@ -268,21 +287,6 @@ class CheckpointPipeline:
         pending = any(self._engine.pending.is_pending(name) for name in _path_and_target(path))
         return (exists or pending) and not self._engine.pending.is_removal_deferred(path)
 
-    def storage_unreachable(self, path: CheckpointPath, error: Exception) -> NoReturn:
-        """``ModelCheckpoint`` could not ask storage whether ``path`` exists (it picks its file names so): a store that
-        went away. Once the saves in flight ended (they fail against the same store, within their timeouts), raise the
-        oldest failure among them, the cause; else this one, as a ``CheckpointFlushError`` naming ``path``.
-
-        Raises:
-            CheckpointFlushError: always.
-        """
-        path = checkpoint_path_str(path)
-        self.drain()
-        self.raise_pending_failure()  # with on_flush_error="warn" it logs them, and this one is raised below
-        raise CheckpointFlushError(
-            f"cannot ask storage whether {path} exists (ModelCheckpoint picks its file names so): {error!r}", path
-        ) from error
-
     def prepare_arena(self, request_bytes: int, cuda_device: int | None = None) -> None:
         """Make the host arena before the first save, sized for checkpoints asking about ``request_bytes``, and
         page-locked in the background for copies from ``cuda_device`` (None: state on the CPU, not page-locked; see
@@ -326,27 +330,17 @@ class CheckpointPipeline:
             error = flush_error(failed)
             raise error from error.__cause__
 
-    def adopt_file_systems(self, trainer: Any) -> None:
-        """Have each of ``trainer``'s ``ModelCheckpoint``s whose directory is remote list, check and link its files
-        through a file system made with this plugin's ``storage_options`` (an S3 endpoint, credentials), the same
-        store the plugin writes to: Lightning's own is made without them. Before Lightning resolves
-        ``ckpt_path="last"`` and at the callback's setup (before ``ModelCheckpoint``'s own); idempotent."""
-        options = self.config.storage_options
-        # Even without options: on S3, ours has the timeouts of storage_options' timeout_s (a silent endpoint fails in
-        # about a minute; Lightning's waits minutes).
-        for callback in trainer.checkpoint_callbacks:
-            dirpath = getattr(callback, "dirpath", None)
-            if not isinstance(callback, ModelCheckpoint) or dirpath is None or "://" not in str(dirpath):
-                continue
-            protocol = writer_kind(str(dirpath))
-            use_file_system(callback, fsspec.filesystem(protocol, **fsspec_storage_options(str(dirpath), options)))
-
     def clean_once(self, directory: str) -> list[str]:
         """:meth:`clean_stale` of ``directory`` once per run, whoever asks first (the callback's setup or fit start, a
         single-file save, a sharded save's announcement); the paths removed (none when it was cleaned already)."""
         directory = directory.rstrip("/") or "/"
         if directory in self._cleaned_directories:
-            if self._tiers is not None and self._tiers.needs_recovery(directory):
+            if (
+                self._tiers is not None
+                and directory not in self._recovered_in_fit
+                and self._tiers.needs_recovery(directory)
+            ):
+                self._recovered_in_fit.add(directory)  # once per fit: a store that is down is not asked at every save
                 self._tiers.recover(self.engine, directory)  # copies this process gave up on: replicated now
             return []
         return self.clean_stale(directory)
@@ -356,9 +350,11 @@ class CheckpointPipeline:
         removals that died half-way), now; the paths removed."""
         directory = directory.rstrip("/") or "/"
         self._cleaned_directories.add(directory)
+        self._recovered_in_fit.add(directory)
         removed = clean_leftovers(self.writer_for(directory), directory, self.config.stale_after_s)
         if removed:
             log.info("lightning_datastates: removed %d stale temporary file(s) in %s", len(removed), directory)
+        observe_directory(self.writer_for(directory), directory)  # this run's saves come after what is there
         if self.tiers is not None:
             # After the cleanup (a dead run's upload aborted first): replicate the local copies it did not.
             self.tiers.recover(self.engine, directory)
@@ -373,9 +369,7 @@ class CheckpointPipeline:
             FileNotFoundError: nothing at ``path``.
             IsADirectoryError: a directory (a sharded checkpoint).
         """
-        stamp = read_stamp(self.writer_for(path), path)
-        SAVE_SEQUENCE.observe(stamp)
-        return stamp
+        return observe_stamp(self.writer_for(path), path)
 
     def arena_occupancy(self) -> float | None:
         """The fraction of the host arena that pending checkpoints hold; None before the first checkpoint sized it.
@@ -417,6 +411,7 @@ class CheckpointPipeline:
         if self._owner is not None and self._owner is not owner:
             return False
         self._owner = owner
+        self._recovered_in_fit = set()  # a new fit: copies given up since are recovered once more (clean_once)
         return True
 
     def detach(self, owner: PluginOwner) -> None:

@@ -29,6 +29,7 @@ from lightning_datastates.config import (
     FlushErrorPolicy,
     Size,
 )
+from lightning_datastates.file_systems import adopt_file_systems
 from lightning_datastates.pipeline import CheckpointPipeline
 from lightning_datastates.records.job import SnapshotStats
 from lightning_datastates.registry import register_pipeline, trainer_pipeline
@@ -268,11 +269,11 @@ def pipeline_of(plugin: DataStatesIO) -> CheckpointPipeline:
 
 def _prepare_for_last(trainer: Any) -> LastOptions | None:
     """For ``fit(ckpt_path="last")`` of a ``trainer`` that saves and loads through a :class:`DataStatesIO` (wrapped or
-    not): its ``ModelCheckpoint``s look at the plugin's store (``CheckpointPipeline.adopt_file_systems``), and the
+    not): its ``ModelCheckpoint``s look at the plugin's store (``file_systems.adopt_file_systems``), and the
     plugin's ``stale_after_s`` and local tier; None (nothing done) for a Trainer without one."""
     pipeline = trainer_pipeline(trainer)
     if pipeline is None:
         return None
-    pipeline.adopt_file_systems(trainer)
+    adopt_file_systems(trainer, pipeline.config.storage_options)
     tiers = pipeline.tiers
     return LastOptions(pipeline.config.stale_after_s, pipeline.stamp_of, None if tiers is None else tiers.local_copies)

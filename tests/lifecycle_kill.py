@@ -13,6 +13,8 @@ replication where the scenario needs it (a fake at one precise point: ``Replicat
   is a link an earlier run left, to an older checkpoint: fault E).
 * ``top-k-only``: ``epoch=0-step=2.ckpt``, ``-step=4``, ``-step=6`` committed locally, none replicated, no
   ``last.ckpt`` (fault F).
+* ``long-name``: a checkpoint whose name is so long that its marker's own name is shortened (the whole name is only
+  in the marker's content) committed locally, killed as its copy begins.
 * ``removal-held``: ``epoch=0-step=1.ckpt`` and ``-step=2.ckpt`` committed locally, none replicated, and step 1
   removed (as ``ModelCheckpoint``'s top-k does; the removal waits for step 2 to be persistent): the next run must not
   replicate step 1 back.
@@ -41,8 +43,9 @@ _WAIT_S = 60.0
 
 
 def state(step: int) -> dict[str, Any]:
-    """The checkpoint of ``step``: its number, and a tensor that says it too."""
-    return {"global_step": step, "w": torch.full((16384,), float(step))}
+    """The checkpoint of ``step``: its number, and a tensor that says it too; with optimizer states, as a checkpoint
+    a run resumes from holds (a weights-only one is no candidate of ``ckpt_path="last"``)."""
+    return {"global_step": step, "w": torch.full((16384,), float(step)), "optimizer_states": []}
 
 
 def _die(why: str) -> None:
@@ -120,7 +123,22 @@ def removal_held(plugin: DataStatesIO, persistent: str) -> None:
     _die("step 1 removed while step 2 was durable locally only")
 
 
-SCENARIOS = {"overtaken": overtaken, "over-a-link": over_a_link, "top-k-only": top_k_only, "removal-held": removal_held}
+#: A checkpoint name whose replication marker's own name is shortened to fit the file system's limit.
+LONG_NAME = "epoch=0-step=7-" + "-".join(f"metric_{i}=0.{i:04d}" for i in range(14)) + ".ckpt"
+
+
+def long_name(plugin: DataStatesIO, persistent: str) -> None:
+    _hold_copies(lambda item, call: _die("a checkpoint with a long name committed locally, its copy begins"))
+    plugin.save_checkpoint(state(7), os.path.join(persistent, LONG_NAME))
+
+
+SCENARIOS = {
+    "overtaken": overtaken,
+    "over-a-link": over_a_link,
+    "top-k-only": top_k_only,
+    "removal-held": removal_held,
+    "long-name": long_name,
+}
 
 
 def main() -> None:

@@ -12,6 +12,8 @@ import itertools
 import logging
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -27,7 +29,7 @@ from lightning_datastates import CheckpointFlushError, DataStatesIO
 from lightning_datastates.plugin import pipeline_of
 from lightning_datastates.storage.local import LocalWriter, LocalWriteSession
 from lightning_datastates.tiered.layout import REPLICATE_SUFFIX, TierLayout
-from tests.conftest import BNModel, every_step_checkpoint, in_background, make_loader, make_trainer
+from tests.conftest import BackgroundOwner, BNModel, every_step_checkpoint, in_background, make_loader, make_trainer
 from tests.lifecycle_kill import state
 from tests.s3_server import require_s3, s3_endpoint_fixture, s3_fixture  # noqa: F401 - fixtures
 from tests.script_support import launch, output_of
@@ -201,7 +203,7 @@ def test_last_takes_a_top_k_file_newer_than_the_last_checkpoint(tmp_path):
     plugin.save_checkpoint(state(8), str(tmp_path / "epoch=0-step=8.ckpt"))
     plugin.save_checkpoint(state(8), str(tmp_path / "last.ckpt"))
     plugin.save_checkpoint(state(9), str(tmp_path / "epoch=0-step=9.ckpt"))
-    with pytest.warns(UserWarning, match="newer than the last checkpoint"):
+    with pytest.warns(UserWarning, match="saved after the last checkpoint"):
         assert _resolve_last(str(tmp_path), DataStatesIO()) == str(tmp_path / "epoch=0-step=9.ckpt")
 
 
@@ -331,8 +333,9 @@ def test_copies_given_up_by_an_abandon_are_replicated_at_the_next_fit_of_the_sam
         return original(self, item)
 
     monkeypatch.setattr(Replicator, "_copy", held)
-    plugin = in_background(DataStatesIO(local_tier=str(tier)))
-    pipeline = pipeline_of(plugin)
+    plugin = DataStatesIO(local_tier=str(tier))
+    pipeline, owner = pipeline_of(plugin), BackgroundOwner()
+    pipeline.attach(owner)  # a fit begins
     pipeline.clean_once(str(persistent))
     plugin.save_checkpoint(state(1), str(persistent / "epoch=0-step=1.ckpt"))
     while not plugin.stats[-1].durable_s:
@@ -341,6 +344,216 @@ def test_copies_given_up_by_an_abandon_are_replicated_at_the_next_fit_of_the_sam
     release.set()
     plugin.teardown()  # the end of that fit: the copy given up has ended
     assert not os.path.exists(persistent / "epoch=0-step=1.ckpt")
-    pipeline.clean_once(str(persistent))  # the next fit's cleanup in this process
+    pipeline.detach(owner)
+    pipeline.attach(owner)  # the next fit of this process
+    pipeline.clean_once(str(persistent))  # its cleanup
     plugin.drain()
     assert _step(persistent / "epoch=0-step=1.ckpt") == 1
+
+
+# ---------------------------------------------------------------------------------------------- found by review
+def test_a_save_that_fails_in_its_call_through_async_checkpoint_io_keeps_the_checkpoint_it_was_to_replace(
+    tmp_path, monkeypatch
+):
+    """``AsyncCheckpointIO`` keeps the error of a save that failed in the plugin's call (here: the file cannot be
+    created, a full disk) on its own thread, and ``ModelCheckpoint`` goes on to remove the previous best: that removal
+    keeps the file, as after a skipped save (before the fix the directory was left empty)."""
+
+    class FullAfterTheFirst(LocalWriter):
+        def begin(self, path: str, total_bytes: int) -> LocalWriteSession:
+            if "step=0" not in path:
+                raise OSError(errno.ENOSPC, "No space left on device (injected at begin)")
+            return super().begin(path, total_bytes)
+
+    _slow_storage(monkeypatch, FullAfterTheFirst(direct_io=False))
+    directory = tmp_path / "ckpt"
+    callback = ModelCheckpoint(dirpath=str(directory), every_n_train_steps=1, save_top_k=1, monitor="step", mode="max")
+    trainer = make_trainer(str(tmp_path), AsyncCheckpointIO(DataStatesIO()), callbacks=[callback], max_steps=3)
+    with pytest.raises(CheckpointFlushError):
+        trainer.fit(_StepLogging(), make_loader())
+    assert sorted(os.listdir(directory)) == ["epoch=0-step=0.ckpt"]
+
+
+def test_a_torn_marker_of_a_long_name_still_marks_its_copy(tmp_path):
+    """The marker of a checkpoint with a long name has a shortened name of its own and keeps the whole name inside;
+    a crash can leave it empty. Its copy is still replicated by the next run (before the fix it was taken for an
+    orphan and removed: the newest checkpoint lost on both tiers)."""
+    from tests.lifecycle_kill import LONG_NAME
+
+    persistent, tier = tmp_path / "persist", tmp_path / "tier"
+    _kill_run("long-name", persistent, tier)
+    local = TierLayout(str(tier)).local_path(str(persistent / LONG_NAME))
+    directory = os.path.dirname(local)
+    markers = [os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(REPLICATE_SUFFIX)]
+    assert markers and all(len(os.path.basename(m)) == 255 for m in markers)
+    for marker in markers:
+        open(marker, "wb").close()  # torn: its content never reached the disk
+    plugin = DataStatesIO(local_tier=str(tier))
+    pipeline_of(plugin).clean_stale(str(persistent))
+    plugin.drain()
+    assert _step(persistent / LONG_NAME) == 7 and os.path.exists(local)
+
+
+def test_last_passes_over_weights_only_checkpoints(tmp_path):
+    """A ``ModelCheckpoint(save_weights_only=True)`` saving more often, beside the full one: its files are no resume
+    point (they hold no optimizer state), however new (before the fix the resume took one and crashed)."""
+    full, weights = tmp_path / "full", tmp_path / "weights"
+    plugin = DataStatesIO()
+    plugin.save_checkpoint(state(4), str(full / "last.ckpt"))
+    plugin.save_checkpoint({"global_step": 6, "state_dict": {}}, str(weights / "w-step=6.ckpt"))  # weights only
+    plugin.save_checkpoint({"global_step": 6, "state_dict": {}}, str(full / "final-weights.ckpt"))  # likewise
+    callbacks = [
+        ModelCheckpoint(dirpath=str(full), save_last=True),
+        ModelCheckpoint(dirpath=str(weights), save_weights_only=True, every_n_train_steps=1),
+    ]
+    trainer = L.Trainer(
+        plugins=[DataStatesIO()],
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    found = trainer._checkpoint_connector._parse_ckpt_path(
+        TrainerFn.FITTING, "last", model_provided=True, model_connected=True
+    )
+    assert found == str(full / "last.ckpt")
+
+
+_NODE = """
+import sys, time
+import lightning_datastates.records.stamp as stamp
+real = time.time_ns
+stamp.time.time_ns = lambda: real() + int(sys.argv[2]) * 10**9  # this node's clock
+from lightning_datastates import DataStatesIO
+directory, mode = sys.argv[1], sys.argv[3]
+plugin = DataStatesIO()
+if mode == "ahead":
+    plugin.save_checkpoint({"global_step": 100, "optimizer_states": []}, directory + "/epoch=0-step=100.ckpt")
+    plugin.save_checkpoint({"global_step": 100, "optimizer_states": []}, directory + "/last.ckpt")
+else:  # resumed with an explicit ckpt_path, then saves on
+    assert plugin.load_checkpoint(directory + "/last.ckpt", weights_only=False)["global_step"] == 100
+    plugin.save_checkpoint({"global_step": 150, "optimizer_states": []}, directory + "/epoch=0-step=150.ckpt")
+    from tests.test_lifecycle_faults import _resolve_last
+    print("resolved", _resolve_last(directory, DataStatesIO(), save_top_k=2, monitor="step"))
+"""
+
+
+def test_a_run_resumed_from_a_node_whose_clock_ran_ahead_saves_after_it(tmp_path):
+    """Node A's clock is 10 minutes ahead; the job resumes on node B from an explicit path and saves step 150. Its
+    stamps come after the file it loaded, whatever the clocks: ``"last"`` finds step 150 (before the fix, step 100)."""
+    from tests.script_support import script_env
+
+    ahead = subprocess.run([sys.executable, "-c", _NODE, str(tmp_path), "600", "ahead"], env=script_env(), timeout=120)
+    assert ahead.returncode == 0
+    behind = subprocess.run(
+        [sys.executable, "-c", _NODE, str(tmp_path), "0", "resume"],
+        env=script_env(),
+        timeout=120,
+        capture_output=True,
+        text=True,
+    )
+    assert behind.returncode == 0, behind.stdout[-2000:] + behind.stderr[-2000:]
+    assert f"resolved {tmp_path}/epoch=0-step=150.ckpt" in behind.stdout, behind.stdout[-2000:]
+
+
+def test_a_copy_that_keeps_failing_is_retried_once_per_fit_not_at_every_save(tmp_path, monkeypatch):
+    """The persistent tier is down (every copy fails, ``on_flush_error="warn"``): the copies given up are retried at
+    the next fit's start, not by every save of this fit (before the fix each save re-read and re-queued every copy
+    given up so far: the save calls grew slower with each one)."""
+    from lightning_datastates.tiered.replicator import Replicator
+    from lightning_datastates.tiered.tiers import TieredCheckpoints
+
+    def down(self: Replicator, item: Any) -> Any:
+        raise OSError(errno.EIO, "the persistent store is down (injected)")
+
+    monkeypatch.setattr(Replicator, "_copy", down)
+    recoveries = []
+    real_recover = TieredCheckpoints.recover
+    monkeypatch.setattr(
+        TieredCheckpoints, "recover", lambda self, *a: recoveries.append(a[-1]) or real_recover(self, *a)
+    )
+    persistent = tmp_path / "persist"
+    plugin = DataStatesIO(local_tier=str(tmp_path / "tier"), on_flush_error="warn")
+    pipeline, owner = pipeline_of(plugin), BackgroundOwner()
+    pipeline.attach(owner)
+    for step in range(5):
+        plugin.save_checkpoint(state(step), str(persistent / f"epoch=0-step={step}.ckpt"))
+        plugin.drain()
+        pipeline.raise_pending_failure()  # warned, as a hook would
+    assert len(recoveries) == 1  # the first save's cleanup only
+    pipeline.detach(owner)
+    pipeline.attach(owner)  # the next fit
+    pipeline.clean_once(str(persistent))
+    assert len(recoveries) == 2
+
+
+def test_keeping_is_said_only_of_a_file_that_exists_and_an_older_failure_keeps_nothing(tmp_path, monkeypatch, caplog):
+    """The save of step 1 fails; step 2 and 3 land. Removing step 1 keeps nothing (it was never written: no "keeping"
+    line); removing step 2 goes ahead although step 1, older, failed (before the fix: "keeping ... a newer write
+    failed" of a file that did not exist, and step 2 left beyond save_top_k)."""
+    _slow_storage(monkeypatch, _SlowWriter(delay_s=0.01, fail="step=1"))
+    plugin = in_background(DataStatesIO(chunk_size="64KiB", on_flush_error="warn"))
+    paths = [str(tmp_path / f"epoch=0-step={step}.ckpt") for step in range(4)]
+    with caplog.at_level(logging.WARNING, logger="lightning_datastates"):
+        plugin.save_checkpoint(state(1), paths[1])
+        plugin.save_checkpoint(state(2), paths[2])
+        plugin.remove_checkpoint(paths[1])
+        plugin.save_checkpoint(state(3), paths[3])
+        plugin.remove_checkpoint(paths[2])
+        plugin.drain()
+    assert sorted(os.listdir(tmp_path)) == ["epoch=0-step=3.ckpt"]
+    assert not [r for r in caplog.records if "keeping" in r.getMessage()]
+
+
+def test_an_on_exception_checkpoint_that_never_fired_changes_nothing(tmp_path):
+    """An ``OnExceptionCheckpoint`` whose file does not exist is no candidate: a fresh run finds nothing and says what
+    Lightning says; with ``save_last=False`` and top-k files only, Lightning decides (before the fix: a false "not
+    whole" warning, and the top-k file taken)."""
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    DataStatesIO().save_checkpoint(state(2), str(tmp_path / "epoch=0-step=2.ckpt"))
+    callbacks = [OnExceptionCheckpoint(str(tmp_path / "exc")), ModelCheckpoint(dirpath=str(tmp_path), save_last=False)]
+    trainer = L.Trainer(
+        plugins=[DataStatesIO()],
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.warns(UserWarning, match="there is no last checkpoint available"):
+        found = trainer._checkpoint_connector._parse_ckpt_path(
+            TrainerFn.FITTING, "last", model_provided=True, model_connected=True
+        )
+    assert found is None
+
+
+def test_without_save_last_the_local_tier_changes_nothing_for_last(tmp_path):
+    """``save_last=False``: replicated copies kept by ``local_keep`` do not make ``"last"`` take a top-k file where the
+    single tier would not (before the fix the two disagreed)."""
+    persistent = tmp_path / "persist"
+    plugin = DataStatesIO(local_tier=str(tmp_path / "tier"))
+    for step in (1, 2):
+        plugin.save_checkpoint(state(step), str(persistent / f"epoch=0-step={step}.ckpt"))
+    with pytest.warns(UserWarning, match="there is no last checkpoint available"):
+        found = _resolve_last(str(persistent), DataStatesIO(local_tier=str(tmp_path / "tier")), save_last=False)
+    assert found is None
+
+
+def test_the_end_of_an_empty_object_on_s3_reads_as_no_stamp(s3, monkeypatch):
+    """S3 answers any range of an empty object with 416 InvalidRange (moto does not): an empty ``*.ckpt`` carries no
+    stamp, and reading its end does not fail (before the fix ``fit(ckpt_path="last")`` would raise)."""
+    require_s3()
+    from botocore.exceptions import ClientError
+
+    from lightning_datastates.storage.s3.client import S3Client
+
+    s3.put("run/empty.ckpt", b"")
+    call = S3Client.call
+
+    async def as_aws_does(self: Any, method: str, **kwargs: Any) -> Any:
+        if method == "get_object" and str(kwargs.get("Range", "")).startswith("bytes=-"):
+            raise ClientError({"Error": {"Code": "InvalidRange", "Message": "416"}}, "GetObject")
+        return await call(self, method, **kwargs)
+
+    monkeypatch.setattr(S3Client, "call", as_aws_does)
+    assert pipeline_of(DataStatesIO(storage_options=s3.storage_options)).stamp_of(s3.url("run/empty.ckpt")) is None

@@ -241,7 +241,7 @@ def test_last_takes_a_newer_whole_checkpoint_over_an_older_last_when_the_newest_
     with pytest.warns(UserWarning, match=r"last-v1\.ckpt is not whole"):
         assert newest_last_checkpoint(trainer, _options()) == str(directory / "epoch=0-step=2.ckpt")
     os.unlink(directory / "last-v1.ckpt")  # without the link: still the newest whole checkpoint, newer than last.ckpt
-    with pytest.warns(UserWarning, match=r"newer than the last checkpoint"):
+    with pytest.warns(UserWarning, match=r"saved after the last checkpoint"):
         assert newest_last_checkpoint(trainer, _options()) == str(directory / "epoch=0-step=2.ckpt")
 
 

@@ -38,11 +38,11 @@ wrapper runs where Lightning calls the method, on the training thread of every r
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +60,8 @@ from lightning_datastates.records.stamp import SaveStamp, order_key
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
 
+#: Stamps read at once by the resolution of "last" (one request each on S3).
+_READS_IN_FLIGHT = 8
 #: Marks the wrapper, so that it is installed once.
 _WRAPPED = "_lightning_datastates_resolves_last"
 
@@ -75,6 +77,15 @@ class LastOptions:
     max_age_s: float
     stamp_of: Callable[[str], SaveStamp | None]
     local_copies: Callable[[str], dict[str, tuple[int, str]]] | None = None
+
+    def resumable(self, path: str) -> bool:
+        """Whether the checkpoint at ``path`` may be resumed from: not a weights-only file (by its stamp; a file
+        without one, or that cannot be read now, counts)."""
+        try:
+            stamp = self.stamp_of(path)
+        except OSError:
+            return True
+        return stamp is None or stamp.resumable
 
 
 def resolve_last_checkpoint(prepare: Callable[[Trainer], LastOptions | None]) -> None:
@@ -114,57 +125,51 @@ NO_CANDIDATE: Any = _NoCandidate()
 def newest_last_checkpoint(trainer: Trainer, options: LastOptions) -> Any:
     """The checkpoint ``ckpt_path="last"`` resumes from, with its protocol: the newest whole one, by save stamp
     (:mod:`~lightning_datastates.records.stamp`), among the Trainer's last checkpoints (``last.ckpt`` and its
-    versions in each ``ModelCheckpoint``'s directory, and each ``OnExceptionCheckpoint``'s file) and, where a
-    ``ModelCheckpoint`` saves last checkpoints (``save_last``) or one exists, every checkpoint in those directories: a
-    run killed after a top-k save and before the ``last.ckpt`` of the same step (or before any) resumes from the top-k
-    file, which is newer, and a ``last.ckpt`` link that leads nowhere does not count. None (with a warning by the
-    caller) where candidates exist but none is whole; :data:`NO_CANDIDATE` where there is no candidate at all (then
+    versions in each ``ModelCheckpoint``'s directory, and each ``OnExceptionCheckpoint``'s file that exists) and, in
+    the directory of each ``ModelCheckpoint`` that saves last checkpoints (``save_last``) or holds one and does not
+    save weights only, every checkpoint saved for resuming (its stamp says so: not a weights-only file): a run killed
+    after a top-k save and before the ``last.ckpt`` of the same step (or before any) resumes from the top-k file,
+    which is newer, and a ``last.ckpt`` link that leads nowhere does not count. None (with a warning by the caller)
+    where candidates exist but none is whole; :data:`NO_CANDIDATE` where there is no candidate at all (then
     Lightning's own method decides, and warns that there is no last checkpoint). A ``ModelCheckpoint`` without
-    ``dirpath`` is looked at where Lightning's setup will derive it.
+    ``dirpath`` is looked at where Lightning's setup will derive it. The stamps are read a few at a time (one
+    request each on S3).
 
     With ``options.local_copies`` (a local tier), a checkpoint counts where its local copy is the one to read
     (:func:`~lightning_datastates.tiered.copies.choose_copy`): one durable locally whose replication a dead run did not
     finish is found all the same (its persistent path is returned; the plugin loads its local copy)."""
     candidates: dict[str, Any] = {}
-    directories: dict[str, Any] = {}
     local: dict[str, tuple[int, str]] = {}  # persistent path -> the order key of its local copy, where that counts
     lasts: set[str] = set()
-    every_checkpoint = False
+    every_checkpoint: set[str] = set()  # candidates that count only as full checkpoints (not weights only)
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         path = getattr(callback, "ckpt_path", None) if isinstance(callback, OnExceptionCheckpoint) else None
-        if path:  # as Lightning reads it
+        if path and _exists(get_filesystem(path), str(path)):  # as Lightning reads it, where it fired
             candidates[str(path)] = get_filesystem(path)
             lasts.add(str(path))
     for callback in (cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)):
         fs = callback._fs
         directory = _checkpoint_dir(callback, trainer)
-        every_checkpoint = every_checkpoint or bool(callback.save_last)
+        copies: dict[str, tuple[int, str]] = {}
         if directory is not None:
             # Our writers change storage behind this file system's listing cache (filled by ModelCheckpoint's own
             # listings, at setup): a checkpoint written since would not be listed.
             fs.invalidate_cache(directory)
-            directories[directory] = fs
             if options.local_copies is not None:
-                local.update({p: key for p, key in options.local_copies(directory).items() if p not in local})
-        for path in callback._find_last_checkpoints(trainer):
-            path = _with_protocol(fs, path)
-            candidates[path] = fs
-            lasts.add(path)
-        lasts.update(p for p in local if _is_last_name(callback, p))
-    if lasts or local:
-        every_checkpoint = True  # a last checkpoint exists: the newest of all resumes
-    if every_checkpoint:
-        for directory, fs in directories.items():
-            candidates.update({_with_protocol(fs, entry): fs for entry in _checkpoints_in(fs, directory)})
-        candidates.update({path: directories.get(path.rsplit("/", 1)[0]) for path in local if path not in candidates})
-    if not candidates and not lasts:
+                copies = options.local_copies(directory)
+                local.update(copies)
+        own_lasts = {_with_protocol(fs, path) for path in callback._find_last_checkpoints(trainer)}
+        own_lasts |= {path for path in copies if _is_last_name(callback, path)}
+        candidates.update(dict.fromkeys(own_lasts, fs))
+        lasts |= own_lasts
+        if directory is not None and (callback.save_last or own_lasts) and not callback.save_weights_only:
+            others = {_with_protocol(fs, entry) for entry in _checkpoints_in(fs, directory)} | set(copies)
+            others -= own_lasts
+            candidates.update({path: fs for path in others if path not in candidates})
+            every_checkpoint |= others
+    if not candidates:
         return NO_CANDIDATE
-    dated = {}
-    for path, fs in candidates.items():
-        # A local copy counts only where it is the one to read: the same save as the persistent file or a newer one.
-        key = local.get(path) or _order(fs, path, options)
-        if key is not None:
-            dated[path] = key
+    dated = _dated(candidates, local, every_checkpoint, options)
     newest = max(dated, key=dated.__getitem__, default=None)
     if newest is not None and lasts:
         # save_last="link": a link stands for the file it names (a local copy of it where the link leads nowhere).
@@ -178,44 +183,57 @@ def newest_last_checkpoint(trainer: Trainer, options: LastOptions) -> Any:
             )
         elif newest not in stands_for:
             rank_zero_warn(
-                f'ckpt_path="last": resuming from {newest}, which is newer than the last checkpoint '
+                f'ckpt_path="last": resuming from {newest}, which was saved after the last checkpoint '
                 f"({', '.join(sorted(lasts))}): the run died before it saved the last checkpoint of that step"
             )
     return newest
 
 
-def _order(fs: Any, path: str, options: LastOptions) -> tuple[int, str] | None:
-    """The order key of the whole checkpoint at ``path`` on its own storage (the persistent tier): a file by its save
-    stamp (its modification time where it carries none), a sharded checkpoint's directory by its ``meta.pt`` (see
-    :func:`_modified_s`); None where nothing whole is there."""
+def _dated(
+    candidates: dict[str, Any],
+    local: dict[str, tuple[int, str]],
+    full_only: set[str],
+    options: LastOptions,
+) -> dict[str, tuple[int, str]]:
+    """The whole ones of ``candidates`` (path -> its file system), each with its order key: its local copy's where
+    that is the one to read (``local``), else its own (:func:`_order`); those in ``full_only`` only where their stamp
+    does not mark them weights only. A few at a time (the reads are one request each on S3)."""
+
+    def key_of(path: str) -> tuple[int, str] | None:
+        if path in local:
+            return local[path] if path not in full_only or options.resumable(path) else None
+        return _order(candidates[path], path, options, full_only=path in full_only)
+
+    paths = sorted(candidates)
+    with ThreadPoolExecutor(max_workers=min(_READS_IN_FLIGHT, max(1, len(paths)))) as pool:
+        keys = dict(zip(paths, pool.map(key_of, paths), strict=True))
+    return {path: key for path, key in keys.items() if key is not None}
+
+
+def _order(fs: Any, path: str, options: LastOptions, full_only: bool = False) -> tuple[int, str] | None:
+    """The order key of the whole checkpoint at ``path`` on its own storage (the persistent tier): by the save stamp
+    of the file that stands for it (the file itself; a sharded checkpoint's ``meta.pt``, or the commit record a switch
+    left half-way, which the cleanup at setup completes: :func:`_dated_file`), by that file's modification time where
+    it carries none; None where nothing whole is there, or (``full_only``) where the stamp says weights only."""
     if fs is None:
         return None
-    if not (_is_local(fs) and os.path.isdir(path)):
-        try:
-            stamp = options.stamp_of(path)
-        except IsADirectoryError:
-            pass
-        except FileNotFoundError:
-            if _is_local(fs) or not fs.isdir(path):  # on S3 a directory is a prefix: no object at its name
-                return None
-        except OSError:
-            if _is_link(fs, path):
-                return None  # a link that leads nowhere (a loop, through a file): no checkpoint there
-            raise
-        else:
-            if stamp is not None:
-                return order_key(stamp, None)
-    modified = _modified_s(fs, path, options.max_age_s)
-    if modified is None:
+    try:
+        dated_by = _dated_file(fs, path, options.max_age_s)
+    except FileNotFoundError:
+        return None  # gone since it was found
+    except OSError:
+        if _is_link(fs, path):
+            return None  # a link that leads nowhere (a loop, through a file): no checkpoint there
+        raise
+    if dated_by is None:
         return None
-    if fs.isdir(
-        path
-    ):  # a sharded checkpoint: its meta.pt carries the save's stamp (none where completed from a record)
-        with contextlib.suppress(OSError):
-            stamp = options.stamp_of(f"{path.rstrip('/')}/{LIGHTNING_META_NAME}")
-            if stamp is not None:
-                return order_key(stamp, None)
-    return order_key(None, modified)
+    try:
+        stamp = options.stamp_of(dated_by)
+    except FileNotFoundError:
+        return None
+    if stamp is not None:
+        return None if full_only and not stamp.resumable else order_key(stamp, None)
+    return order_key(None, float(fs.modified(dated_by).timestamp()))
 
 
 def _checkpoint_dir(callback: ModelCheckpoint, trainer: Trainer) -> str | None:
@@ -263,32 +281,27 @@ def _is_local(fs: Any) -> bool:
     return isinstance(fs, LocalFileSystem)
 
 
-def _modified_s(fs: Any, path: str, max_age_s: float) -> float | None:
-    """When the checkpoint at ``path`` was last written (a sharded directory: its ``meta.pt``, or the commit record
-    of a switch to a new checkpoint that a dead run left half-way, which the cleanup at setup finishes before any
-    load), in seconds since the epoch; None if there is no whole checkpoint there. ``path`` was just found to exist
-    (by :func:`_exists`, or listed): it is not asked again (on S3 a request each)."""
-    try:
-        return _modified_or_fail(fs, path, max_age_s)
-    except FileNotFoundError:
-        return None  # gone since it was found
-    except OSError:
-        if _is_link(fs, path):
-            return None  # a link that leads nowhere (a loop, through a file): no checkpoint there
-        raise
+def _dated_file(fs: Any, path: str, max_age_s: float) -> str | None:
+    """The file that stands for the checkpoint at ``path`` (which was found: listed, or asked): ``path`` itself for a
+    file; for a sharded checkpoint's directory its ``meta.pt``, or the commit record of a switch to a new checkpoint
+    that a dead run left half-way, which the cleanup at setup finishes before any load; None where there is no whole
+    checkpoint there.
 
-
-def _modified_or_fail(fs: Any, path: str, max_age_s: float) -> float | None:
-    if fs.isdir(path):
-        entries = {entry["name"].rstrip("/").rsplit("/", 1)[-1]: entry for entry in fs.ls(path, detail=True)}
-        fs.invalidate_cache(path)  # the cleanup at setup may change it before the load, which may share this cache
-        if not holds_checkpoint(entries):
-            return None
-        if LIGHTNING_META_NAME not in entries and not _completed_at_setup(entries, max_age_s):
-            return None
-        dated_by = LIGHTNING_META_NAME if LIGHTNING_META_NAME in entries else COMMIT_RECORD_NAME
-        path = f"{path.rstrip('/')}/{dated_by}"
-    return float(fs.modified(path).timestamp())
+    Raises:
+        FileNotFoundError: nothing at ``path`` any more.
+        OSError: storage could not be asked (a link that leads nowhere among them).
+    """
+    if not fs.isdir(path):
+        if _is_local(fs):
+            os.stat(path)  # through a link: a dangling one, or a loop, raises
+        return path
+    entries = {entry["name"].rstrip("/").rsplit("/", 1)[-1]: entry for entry in fs.ls(path, detail=True)}
+    fs.invalidate_cache(path)  # the cleanup at setup may change it before the load, which may share this cache
+    if not holds_checkpoint(entries):
+        return None
+    if LIGHTNING_META_NAME not in entries and not _completed_at_setup(entries, max_age_s):
+        return None
+    return f"{path.rstrip('/')}/{LIGHTNING_META_NAME if LIGHTNING_META_NAME in entries else COMMIT_RECORD_NAME}"
 
 
 def _completed_at_setup(entries: dict[str, Any], max_age_s: float) -> bool:

@@ -117,6 +117,11 @@ class SnapshotJob:
     #: Registered while a save of the same path was pending and cancelled that one (coalesced): this one is not
     #: cancelled by the next save, so that a path saved again and again still lands at least every second save.
     follows_cancelled: bool = False
+    #: Its place among the saves registered (set at registration, :mod:`~lightning_datastates.snapshot.pending`).
+    order: int = -1
+    #: Whether this file is a checkpoint on its own (the one a removal may wait for to land): not a shard file of a
+    #: sharded checkpoint (its directory's commit is), nor the local tier's copy (its replication is).
+    whole_checkpoint: bool = True
     settled: bool = False  # past its commit or abort: deferred removals no longer wait for it
     lock: threading.Lock = field(default_factory=threading.Lock)
     on_ready: Callable[[SnapshotJob], None] | None = None

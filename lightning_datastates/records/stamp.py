@@ -29,15 +29,15 @@ import re
 import struct
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 #: Signature of the zip end-of-central-directory record, which ends every zip archive (before its comment).
 _EOCD_SIGNATURE = b"PK\x05\x06"
 #: Bytes of that record without its comment; its last field (2 bytes) is the comment's length.
 EOCD_BYTES = 22
-_COMMENT = re.compile(rb"lightning-datastates save (\d{20}) run ([0-9a-f]{16})\Z")
+_COMMENT = re.compile(rb"lightning-datastates save (\d{20}) run ([0-9a-f]{16}) (resume|weight)\Z")
 #: Bytes of a stamp's comment.
-COMMENT_BYTES = len(b"lightning-datastates save ") + 20 + len(b" run ") + 16
+COMMENT_BYTES = len(b"lightning-datastates save ") + 20 + len(b" run ") + 16 + len(b" resume")
 #: Bytes at the end of a file that hold its stamp (the end-of-central-directory record and the comment).
 TAIL_BYTES = EOCD_BYTES + COMMENT_BYTES
 
@@ -46,14 +46,18 @@ TAIL_BYTES = EOCD_BYTES + COMMENT_BYTES
 class SaveStamp:
     """The save a checkpoint file holds: its place in the save sequence (``sequence``, microseconds since the epoch
     or above, see the module docstring) and the process that saved it (``run``, 16 hex digits). Ordered by
-    ``sequence`` first: the larger stamp is the newer save."""
+    ``sequence`` first: the larger stamp is the newer save. ``resumable``: the checkpoint holds what a resume needs
+    (optimizer states; False for ``save_weights_only``): ``ckpt_path="last"`` passes over the others. It is no part
+    of which save a stamp names (equality and order leave it out)."""
 
     sequence: int
     run: str
+    resumable: bool = field(default=True, compare=False)
 
     def comment(self) -> bytes:
         """The zip archive comment that holds this stamp (:data:`COMMENT_BYTES` bytes)."""
-        return b"lightning-datastates save %020d run %s" % (self.sequence, self.run.encode())
+        kind = b"resume" if self.resumable else b"weight"
+        return b"lightning-datastates save %020d run %s %s" % (self.sequence, self.run.encode(), kind)
 
     def __str__(self) -> str:
         return f"save {self.sequence} of run {self.run}"
@@ -84,7 +88,9 @@ def parse_stamp(tail: bytes | bytearray | memoryview) -> SaveStamp | None:
     if struct.unpack_from("<H", tail, EOCD_BYTES - 2)[0] != COMMENT_BYTES:
         return None
     match = _COMMENT.match(tail, EOCD_BYTES)
-    return None if match is None else SaveStamp(int(match.group(1)), match.group(2).decode())
+    if match is None:
+        return None
+    return SaveStamp(int(match.group(1)), match.group(2).decode(), match.group(3) == b"resume")
 
 
 def order_key(stamp: SaveStamp | None, modified_s: float | None) -> tuple[int, str]:
@@ -106,11 +112,12 @@ class SaveSequence:
         self._last = 0
         self.run = os.urandom(8).hex()
 
-    def next(self) -> SaveStamp:
-        """A stamp above every stamp taken or observed before, and not below the clock (microseconds)."""
+    def next(self, resumable: bool = True) -> SaveStamp:
+        """A stamp above every stamp taken or observed before, and not below the clock (microseconds), for a
+        checkpoint that is ``resumable`` (see :class:`SaveStamp`)."""
         with self._lock:
             self._last = max(self._last + 1, time.time_ns() // 1000)
-            return SaveStamp(self._last, self.run)
+            return SaveStamp(self._last, self.run, resumable)
 
     def observe(self, stamp: SaveStamp | None) -> None:
         """Stamps taken from now on come after ``stamp`` (a stamp read from storage); None does nothing."""

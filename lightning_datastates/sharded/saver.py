@@ -106,7 +106,14 @@ class ShardedSaver:
                     # Not served from memory: DCP's reader reads shard files from storage. Blocks kept for loads
                     # that never come would keep a second checkpoint's worth of arena pages in use.
                     stats = host.engine.capture_planned(
-                        shard.layout, shard.storages, file_path, writer, lazy, awaits_commit, serve_loads=False
+                        shard.layout,
+                        shard.storages,
+                        file_path,
+                        writer,
+                        lazy,
+                        awaits_commit,
+                        serve_loads=False,
+                        whole_checkpoint=False,  # a part of the directory's: its commit is the checkpoint
                     )
             except BaseException as exc:
                 # The other ranks plan this save on their committer threads: this rank's committer joins them with

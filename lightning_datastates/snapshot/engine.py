@@ -217,9 +217,11 @@ class SnapshotEngine:
         on_settled: Callable[[SnapshotJob], None] | None = None,
         persistent_path: str | None = None,
         stamp: SaveStamp | None = None,
+        whole_checkpoint: bool = True,
     ) -> SnapshotStats:
         """:meth:`capture` of a file whose layout the caller planned: ``layout``, and ``storages`` indexed by its
-        record keys (the shard files of a distributed checkpoint, :mod:`~lightning_datastates.sharded`).
+        record keys (the shard files of a distributed checkpoint, :mod:`~lightning_datastates.sharded`: not a
+        ``whole_checkpoint``, which removals wait for as the saves after a file, see :class:`SnapshotJob`).
         ``started_at`` is when the save call began (now if None). Without ``serve_loads`` the file's arena blocks go
         back to the arena once written, even with ``serve_from_memory``: for a file no load of this plugin reads.
         Same contract and errors as :meth:`capture`."""
@@ -236,7 +238,7 @@ class SnapshotEngine:
         if admission.skip_reason is not None:
             stats = skipped_stats(path, layout, started_at, admission.skip_reason)
             self.history.append(stats)
-            self._pending.note_skipped()
+            self._pending.note_skipped(path)
             return stats
         chunk_bytes = max(4096, min(self.config.chunk_size, data_path.arena.size_bytes // 4))
         eager_keys = eager_record_keys(layout.records, storages, lazy, self.config.eager_copy_size)
@@ -267,6 +269,7 @@ class SnapshotEngine:
                 outstanding=2,  # the copy, and the metadata write
                 on_ready=data_path.writers.schedule_commit,
                 on_settled=on_settled,
+                whole_checkpoint=whole_checkpoint and persistent_path is None,
             )
         except BaseException:
             session.abort()  # nothing was scheduled: leave no temporary file behind

@@ -35,6 +35,7 @@ skipped keeps the file (it may be the newest checkpoint there is).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections import deque
@@ -70,6 +71,8 @@ class PendingCommit:
     #: The next entry registered under the same path while this one was pending (a removal waiting for this one, if
     #: it is cancelled, waits for that one instead).
     later: Any = None
+    #: Its place among the saves registered (set at registration): what "a save after that file" means for removals.
+    order: int = -1
 
 
 @dataclass(eq=False)
@@ -111,6 +114,10 @@ class PendingCheckpoints:
         self._deferred_removals: dict[str, _Removal] = {}
         # path -> set once the removal of path that a finishing entry carries out is done
         self._running_removals: dict[str, threading.Event] = {}
+        self._orders = itertools.count()
+        # path -> (order of its latest save, whether that save failed or was skipped): which saves came after a file
+        # a removal is asked for, and whether that file was written at all (until its removal ran).
+        self._saves: dict[str, tuple[int, bool]] = {}
         # Removals right after a save that was skipped (or a sharded save not committed) keep their file, until the
         # next capture.
         self._skipped_since_last_capture = False
@@ -138,6 +145,8 @@ class PendingCheckpoints:
             predecessor = self._latest_by_path.get(commit.path)
             if predecessor is not None and not predecessor.finished.is_set():
                 predecessor.later = commit
+            commit.order = next(self._orders)
+            self._saves[commit.path] = (commit.order, False)
             self._latest_by_path[commit.path] = commit
             self.active.append(commit)
 
@@ -157,6 +166,8 @@ class PendingCheckpoints:
                 job.follows_cancelled = True
             predecessor.successor = predecessor.later = job
             job.outstanding += 1
+        job.order = next(self._orders)
+        self._saves[job.path] = (job.order, False)
         self._latest_by_path[job.path] = job
         self.active.append(job)
 
@@ -164,10 +175,13 @@ class PendingCheckpoints:
         """Whether any of the engine's checkpoints is pending (call with :attr:`lock` held)."""
         return any(isinstance(entry, SnapshotJob) for entry in self.active)
 
-    def note_skipped(self) -> None:
-        """A save was skipped (``on_arena_full="skip"``): removals keep their file until the next capture."""
+    def note_skipped(self, path: str | None = None) -> None:
+        """A save (of ``path``) was skipped (``on_arena_full="skip"``), or raised before it was registered: removals
+        keep their file until the next capture (the checkpoint that was to replace it was not written)."""
         with self.lock:
             self._skipped_since_last_capture = True
+            if path is not None:
+                self._saves[path] = (next(self._orders), True)
 
     def in_flight(self) -> list[SnapshotJob]:
         """Checkpoints captured and not yet committed or dropped, oldest first."""
@@ -196,17 +210,21 @@ class PendingCheckpoints:
     def defer_removal(self, path: str, remove: Callable[[], None], also: tuple[str, ...] = ()) -> None:
         """Call ``remove`` once every save registered so far is settled, and the pending writes of ``path`` and of
         ``also`` (the local tier's copy of it) are cancelled and ended; now if nothing is pending (on the caller's
-        thread), else on the thread that finishes the last of them. Keep the file instead (with a warning) if a newer
-        checkpoint failed or was skipped, or if an awaited one fails or is skipped: it may be the newest there is.
+        thread), else on the thread that finishes the last of them.
 
-        The removed file's own pending write is cancelled only once every other save before the removal landed (see
-        the module docstring): until then it may still be needed, if the newer save fails.
+        Keep the file instead (with a warning) where it may be the newest checkpoint there is: a save after it failed
+        or was skipped, and none of the saves after it that this removal waits for lands. Saves before the file do
+        not count, nor a file whose own latest save failed (there is nothing of it to keep). The removed file's own
+        pending write is cancelled only once every other save before the removal landed (see the module docstring).
 
         Raises:
             Exception: whatever ``remove`` raised, where it ran now (on the caller's thread).
         """
         with self.lock:
-            reason = self._reason_to_keep()
+            saves = [self._saves[p] for p in (path, *also) if p in self._saves]
+            file_order = max((order for order, _ in saves), default=-1)
+            written = not saves or not all(failed for _, failed in saves)
+            reason = self._reason_to_keep(file_order) if written else None
             if reason is not None:
                 log.warning("lightning_datastates: keeping %s, which was to be removed: %s", path, reason)
                 return
@@ -214,17 +232,24 @@ class PendingCheckpoints:
                 e for p in (path, *also) if (e := self._latest_by_path.get(p)) is not None and not e.finished.is_set()
             ]
             waiting = [entry for entry in self.active if not entry.settled and entry not in own]
-            removal = _Removal(waiting, remove, own)
+            newer = written and any(entry.order > file_order and _whole(entry) for entry in waiting)
+            removal = _Removal(waiting, remove, own, (path, *also), file_order, awaits_newer=newer)
             due = self._advance(path, removal)
         if due:
-            remove()
+            try:
+                remove()
+            finally:
+                with self.lock:
+                    self._forget(removal.paths)
 
-    def _reason_to_keep(self) -> str | None:
-        """Why a removal asked for now keeps its file (call with :attr:`lock` held); None if it may go ahead."""
-        if self._failures:  # a newer checkpoint already failed (not yet reported)
+    def _reason_to_keep(self, file_order: int) -> str | None:
+        """Why a removal of a file saved at ``file_order`` (-1: not by this process), asked for now, keeps it (call
+        with :attr:`lock` held); None if it may go ahead once the saves before it landed."""
+        failed = [job.path for job in self._failures if job.order > file_order]
+        if failed:  # a newer checkpoint already failed (not yet reported)
             return (
-                "a newer write failed (raised as CheckpointFlushError). Delete it by hand once a newer checkpoint is "
-                "saved, if you do not need it"
+                f"a newer write failed ({', '.join(failed)}, raised as CheckpointFlushError). Delete it by hand once a "
+                "newer checkpoint is saved, if you do not need it"
             )
         if self._skipped_since_last_capture:  # the checkpoint that was to replace it was skipped
             return "a newer save was skipped or failed"
@@ -234,9 +259,19 @@ class PendingCheckpoints:
 
     def _advance(self, path: str, removal: _Removal) -> bool:
         """Move ``removal`` of ``path`` on as far as it goes now (call with :attr:`lock` held): held back while it
-        waits; once the saves before it landed, its own pending writes cancelled (a sharded directory's commit is
-        waited for, never cancelled) and waited for; True once nothing is left to wait for (the caller runs it,
-        outside the lock), and then it is no longer held here."""
+        waits; once the saves before it settled, dropped (with a warning) where it awaited saves after its file and
+        none of them landed; else its own pending writes cancelled (a sharded directory's commit is waited for, never
+        cancelled) and waited for; True once nothing is left to wait for (the caller runs it, outside the lock), and
+        then it is no longer held here."""
+        if not removal.waiting and not removal.cancelling and removal.awaits_newer and not removal.newer_landed:
+            self._deferred_removals.pop(path, None)
+            log.warning(
+                "lightning_datastates: keeping %s, which was to be removed, because every save after it failed or was "
+                "skipped (%s)",
+                path,
+                ", ".join(removal.newer_failed) or "none landed",
+            )
+            return False
         if not removal.waiting and not removal.cancelling and removal.own:
             removal.cancelling = True
             for entry in removal.own:
@@ -331,14 +366,15 @@ class PendingCheckpoints:
         with self.lock:
             if job.finished.is_set() or job not in self.active:
                 return
-        for path, remove, done in self._settle_removals(job):
+        for path, removal, done in self._settle_removals(job):
             try:
-                remove()
+                removal.remove()
             except Exception:
                 log.exception("lightning_datastates: could not remove %s (a top-k removal); delete it by hand", path)
             finally:
                 with self.lock:
                     self._running_removals.pop(path, None)
+                    self._forget(removal.paths)
                 done.set()
         with self.lock:
             self.active.remove(job)
@@ -349,9 +385,13 @@ class PendingCheckpoints:
         if successor is not None:
             successor.release()  # the next save of this path may commit now
 
-    def _settle_removals(
-        self, job: SnapshotJob | PendingCommit
-    ) -> list[tuple[str, Callable[[], None], threading.Event]]:
+    def _forget(self, paths: tuple[str, ...]) -> None:
+        """The files at ``paths`` were removed: what their saves were no longer matters (call with :attr:`lock`)."""
+        for path in paths:
+            if path not in self._latest_by_path:
+                self._saves.pop(path, None)
+
+    def _settle_removals(self, job: SnapshotJob | PendingCommit) -> list[tuple[str, _Removal, threading.Event]]:
         """Mark ``job`` settled; return the deferred removals it was the last to hold back, each registered as running.
 
         A job that failed (or a commit skipped) drops the removals waiting for it: the file to remove may be the last
@@ -368,41 +408,54 @@ class PendingCheckpoints:
                 self._failures.append(job)
             if isinstance(job, PendingCommit) and job.state in _NOT_COMMITTED:
                 self._skipped_since_last_capture = True  # the next removals keep their file, as after a skipped save
+            if job.state in _NOT_COMMITTED and self._saves.get(job.path, (None,))[0] == job.order:
+                self._saves[job.path] = (job.order, True)  # nothing of this save to keep
             for path, removal in list(self._deferred_removals.items()):
                 if job not in removal.waiting:
                     continue
                 removal.waiting.remove(job)
-                if not removal.cancelling:  # a save before the removal: the file may go only once it landed
+                if not removal.cancelling and job.order > removal.file_order and _whole(job):
+                    # A save after the removed file: the file may go once one of those landed.
                     landed = _landed(job)
                     if landed is None:
-                        del self._deferred_removals[path]
-                        log.warning(
-                            "lightning_datastates: keeping %s, which was to be removed, because writing %s failed",
-                            path,
-                            job.path,
-                        )
-                        continue
-                    superseded = landed is not job and not landed.settled
-                    if superseded and landed not in removal.own and landed not in removal.waiting:
-                        removal.waiting.append(landed)  # the newer save of that path is what replaces the file
+                        removal.newer_failed.append(job.path)
+                    elif landed is job or landed.settled:
+                        removal.newer_landed = True
+                    elif landed not in removal.own and landed not in removal.waiting:
+                        removal.waiting.append(landed)  # superseded: the newer save of that path replaces the file
                 if self._advance(path, removal):
                     done = self._running_removals[path] = threading.Event()
-                    due.append((path, removal.remove, done))
+                    due.append((path, removal, done))
         return due
 
 
 @dataclass(eq=False)
 class _Removal:
-    """A removal held back (:meth:`PendingCheckpoints.defer_removal`): ``remove`` runs once ``waiting`` is empty.
+    """A removal held back (:meth:`PendingCheckpoints.defer_removal`): ``remove`` runs once ``waiting`` is empty,
+    unless it awaited saves after the removed file and none of them landed (then the file is kept).
 
     ``own``: the pending entries of the removed file itself (and of its local copy), cancelled only once every other
-    save registered before the removal landed; ``cancelling`` is set then, and ``waiting`` holds them until they end.
+    save registered before the removal settled; ``cancelling`` is set then, and ``waiting`` holds them until they end.
     """
 
     waiting: list[SnapshotJob | PendingCommit]
     remove: Callable[[], None]
     own: list[SnapshotJob | PendingCommit]
+    #: The removed file's path, and its local copy's.
+    paths: tuple[str, ...]
+    #: The order of the removed file's latest save (-1: not saved by this process).
+    file_order: int
+    #: Whether saves after the removed file were pending when it was asked for: one of them must land first.
+    awaits_newer: bool = False
+    newer_landed: bool = False
+    newer_failed: list[str] = field(default_factory=list)
     cancelling: bool = False
+
+
+def _whole(entry: SnapshotJob | PendingCommit) -> bool:
+    """Whether ``entry`` is a checkpoint on its own (a sharded directory's commit, a replication, a single file; not a
+    shard file or a local tier's copy): what a removal waits for to land."""
+    return not isinstance(entry, SnapshotJob) or entry.whole_checkpoint
 
 
 def _landed(entry: SnapshotJob | PendingCommit) -> SnapshotJob | PendingCommit | None:

@@ -72,6 +72,24 @@ def stamp_of_content(content: dict[str, object]) -> SaveStamp | None:
     return None
 
 
+def _unshortened(marker_name: str, name: str, copies: list[str]) -> str:
+    """The checkpoint name a marker named ``marker_name`` stands for, where its content (which holds the name) is
+    lost: ``name`` (as the marker's own name gives it), or, where the marker's name was shortened to fit the file
+    system's limit (:func:`~lightning_datastates.records.leftovers.leftover_name`: then exactly that long), the one
+    entry of ``copies`` that begins with it; ``name`` itself where none or several do (a recovery then leaves the
+    marker, and every copy it may mark, as they are)."""
+    if len(marker_name.encode()) < MAX_NAME_BYTES or name in copies:
+        return name
+    matching = [copy for copy in copies if copy.startswith(name)]
+    return matching[0] if len(matching) == 1 else name
+
+
+def is_shortened(marker: str) -> bool:
+    """Whether the marker at ``marker`` has a name shortened to fit the file system's limit (the checkpoint's name
+    is then whole only in its content)."""
+    return len(os.path.basename(marker).encode()) >= MAX_NAME_BYTES
+
+
 def persistent_dir(path: str) -> str:
     """The directory of the persistent checkpoint path ``path`` (a URL or an absolute local path), no trailing
     slash."""
@@ -191,12 +209,15 @@ class TierLayout:
             names = os.listdir(local_directory)
         except FileNotFoundError:
             return {}
+        copies = [name for name in names if not name.startswith(".")]
         for name in names:
             parsed = parse_leftover_name(name, REPLICATE_SUFFIX)
             if parsed is not None:
                 path = os.path.join(local_directory, name)
                 whole = _marker_content(path).get("name")  # the name itself, where the marker's own is shortened
-                found[whole if isinstance(whole, str) and whole else parsed.name].append((path, parsed))
+                if not (isinstance(whole, str) and whole):
+                    whole = _unshortened(name, parsed.name, copies)  # a marker torn by a crash holds nothing
+                found[whole].append((path, parsed))
         return dict(found)
 
     @staticmethod

@@ -36,7 +36,7 @@ from lightning_datastates.records.stamp import SAVE_SEQUENCE
 from lightning_datastates.snapshot.pending import PendingReplication
 from lightning_datastates.storage.base import read_stamp
 from lightning_datastates.tiered.copies import Choice, CopyFacts, Presence, choose_copy, local_facts, persistent_facts
-from lightning_datastates.tiered.layout import TierLayout
+from lightning_datastates.tiered.layout import TierLayout, is_shortened
 from lightning_datastates.tiered.replicator import Replication
 from lightning_datastates.tiered.retention import local_copies
 
@@ -93,14 +93,16 @@ def recover(tiers: TierHost, engine: SnapshotEngine, persistent_directory: str) 
     markers = tiers.layout.markers(directory)
     for name, entries in markers.items():
         here = this_process()
-        dead = [
+        given_up = [marker for marker, parsed in entries if parsed.owner == here and marker not in tiers.live_markers]
+        dead = given_up + [
             marker
             for marker, parsed in entries
-            if (parsed.owner == here and marker not in tiers.live_markers)
-            or writer_gone(parsed.owner, _age_s(marker), tiers.config.stale_after_s, tracks_own_writes=False)
+            if parsed.owner != here
+            and writer_gone(parsed.owner, _age_s(marker), tiers.config.stale_after_s, tracks_own_writes=False)
         ]
-        if dead and _recover_copy(tiers, engine, os.path.join(directory, name), f"{base}/{name}", dead, directory):
-            adopted.append(os.path.join(directory, name))
+        local_path, persistent_path = os.path.join(directory, name), f"{base}/{name}"
+        if dead and _recover_copy(tiers, engine, local_path, persistent_path, dead, directory, ours=given_up == dead):
+            adopted.append(local_path)
     _drop_orphans(tiers, directory, base, set(tiers.layout.markers(directory)))
     tiers.prune(directory)
     _warn_other_tiers(tiers.layout.root, persistent_directory)
@@ -114,12 +116,16 @@ def _recover_copy(
     persistent_path: str,
     dead: list[str],
     directory: str,
+    ours: bool,
 ) -> bool:
-    """Step 2 for one name, whose markers ``dead`` have no writer any more; True where its replication is queued."""
+    """Step 2 for one name, whose markers ``dead`` have no writer any more (``ours``: all of this process, which gave
+    their copies up: a failed copy, a second Ctrl-C); True where its replication is queued."""
     layout = tiers.layout
     local = local_facts(tiers.local_writer, local_path)
     if local.presence is not Presence.PRESENT:
-        layout.unmark(dead)  # killed before its first commit here: nothing to replicate
+        # Killed before its first commit here: nothing to replicate. Unless a torn marker with a shortened name lost
+        # the name of the copy it marks among several: left as it is (and the copies it may mark, see _drop_orphans).
+        layout.unmark([marker for marker in dead if not (is_shortened(marker) and layout.stamp_in(marker) is None)])
         return False
     SAVE_SEQUENCE.observe(local.stamp)
     matching = [marker for marker in dead if layout.stamp_in(marker) in (None, local.stamp)]
@@ -127,7 +133,8 @@ def _recover_copy(
     if not matching:
         return False
     try:
-        verify_checkpoint(tiers.writer_for(local_path), local_path)
+        if not ours:  # this process wrote it (and checksummed every byte then): read back only what another left
+            verify_checkpoint(tiers.writer_for(local_path), local_path)
     except (CheckpointCorruptError, OSError) as exc:  # damaged: never copied over the persistent file
         log.warning(
             "lightning_datastates: not replicating %s, which a dead run did not: it is damaged (%s)", local_path, exc
@@ -198,9 +205,10 @@ def _newer_whole(tiers: TierHost, directory: str, persistent_path: str, local: C
 
 
 def _drop_orphans(tiers: TierHost, directory: str, base: str, marked: set[str]) -> None:
-    """Step 3: the replicated local copies whose persistent file is gone go (with a warning)."""
+    """Step 3: the replicated local copies whose persistent file is gone go (with a warning); ``marked``: the names
+    markers stand for (a copy whose name begins with one may be what a torn marker with a shortened name marks)."""
     for name in local_copies(directory):
-        if name in marked:
+        if any(name.startswith(prefix) for prefix in marked):
             continue
         local_path, persistent_path = os.path.join(directory, name), f"{base}/{name}"
         decision = choose_copy(

@@ -259,7 +259,7 @@ class TieredCheckpoints:
             decision = self.decide(path, local_path)
             if decision.choice is Choice.LOCAL:
                 found[path] = key
-            elif decision.choice is Choice.NONE:
+            elif decision.choice is Choice.NONE and not os.path.islink(path):  # a dangling last.ckpt link is no loss
                 log.warning(
                     "lightning_datastates: not resuming from %s, the local copy of %s: %s",
                     local_path,
