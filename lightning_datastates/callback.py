@@ -29,11 +29,16 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_datastates.capture.admission import state_request_bytes
-from lightning_datastates.compat.lightning import override_file_exists, restore_file_exists
+from lightning_datastates.compat.lightning import (
+    override_file_exists,
+    restore_file_exists,
+    restored_signal_handlers,
+)
 from lightning_datastates.compat.torch import local_shard, persistent_buffers, storage_identity
 from lightning_datastates.compat.trainer_hooks import is_logging_step
 from lightning_datastates.copy.pinning import cuda_device_of
 from lightning_datastates.errors import CheckpointFlushError
+from lightning_datastates.interrupts import ignore_sigint_in_shutdown
 from lightning_datastates.metrics import CheckpointMetrics
 from lightning_datastates.pipeline import CheckpointPipeline, trainer_pipeline
 from lightning_datastates.progress import drain_on_interrupt, drain_with_progress
@@ -270,6 +275,10 @@ class DataStatesCallback(Callback):
         pipeline = self._pipeline
         if pipeline is None:
             return
+        if isinstance(exception, KeyboardInterrupt):
+            # Lightning exits after its teardown, which puts Python's SIGINT handler back first: a Ctrl-C then must
+            # not kill the process by the signal (and cut the end of the drain's report, or a script's cleanup).
+            ignore_sigint_in_shutdown(restored_signal_handlers(trainer))
         # Says what it waits for, with the drain bar; a further Ctrl-C abandons the writes in flight.
         drain_on_interrupt(trainer, pipeline.engine, exception)
         pipeline.drain()  # returns at once now: nothing outstanding, or abandoned

@@ -60,7 +60,13 @@ def test_a_missing_bucket_fails_at_setup(tmp_path, s3):
 @pytest.fixture
 def no_credentials(tmp_path, monkeypatch, s3_endpoint):
     """No AWS credentials anywhere botocore looks: variables unset, its files empty, no instance metadata asked."""
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_PROFILE"):
+    for name in (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_PROFILE",
+        "AWS_DEFAULT_PROFILE",
+    ):
         monkeypatch.delenv(name, raising=False)
     empty = tmp_path / "empty-aws-file"
     empty.write_text("")
