@@ -107,6 +107,7 @@ def drain_on_interrupt(trainer: Trainer, engine: SnapshotEngine, exception: Base
         return False
     log.warning("lightning_datastates: Ctrl-C: abandoning the checkpoints still being written")
     entries = engine.pending.outstanding()
+    landed = _landed_while_waiting(pending, entries)  # taken before the abandon: what lands after is among entries
     started = time.monotonic()
     abandoned = engine.abandon()
     # The engine waits for its own files; a copy to the persistent tier is asked to stop: give it what is left of the
@@ -114,7 +115,7 @@ def drain_on_interrupt(trainer: Trainer, engine: SnapshotEngine, exception: Base
     for entry in entries:
         if isinstance(entry, PendingReplication):
             entry.finished.wait(max(0.0, ABANDON_WAIT_S - (time.monotonic() - started)))
-    log.warning("lightning_datastates: %s", _abandoned_line(entries, abandoned, pending))
+    log.warning("lightning_datastates: %s", _abandoned_line(entries, abandoned, landed))
     return True
 
 
@@ -157,14 +158,11 @@ def _waiting_line(engine: SnapshotEngine, catchable: bool) -> str:
     return line + ("; press Ctrl-C again to abandon them (earlier checkpoints stay whole)" if catchable else "")
 
 
-def _abandoned_line(
-    entries: list[SnapshotJob | PendingCommit], abandoned: Abandoned, waited_for: list[SnapshotStats]
-) -> str:
-    """What an abandon gave up (by name), what landed whole meanwhile (during the wait, or during the abandon: a commit
-    that had begun), and what is left for ``clean``; ``entries``: what was pending when the abandon began,
-    ``waited_for``: the checkpoints the wait began with."""
+def _landed_while_waiting(waited_for: list[SnapshotStats], entries: list[SnapshotJob | PendingCommit]) -> list[str]:
+    """The names of the checkpoints the wait began with (``waited_for``) that are committed (on both tiers) and no
+    longer among the pending ``entries``."""
     in_entries = {id(entry.stats) for entry in entries if isinstance(entry, SnapshotJob)}
-    landed = [
+    return [
         stats.persistent_path or stats.path
         for stats in waited_for
         if id(stats) not in in_entries
@@ -172,6 +170,13 @@ def _abandoned_line(
         and stats.state == JobState.COMMITTED.value
         and stats.replication in (None, JobState.COMMITTED.value)
     ]
+
+
+def _abandoned_line(entries: list[SnapshotJob | PendingCommit], abandoned: Abandoned, landed: list[str]) -> str:
+    """What an abandon gave up (by name), what landed whole meanwhile (``landed``: during the wait; and among
+    ``entries``, what was pending when the abandon began, those whose commit had begun), and what is left for
+    ``clean``."""
+    landed = list(landed)
     given_up: list[str] = []
     kept_locally: list[str] = []
     for name, parts in _checkpoints(entries):
