@@ -39,6 +39,16 @@ def test_train_gpt(tmp_path):
 
 
 @pytest.mark.slow
+def test_train_gpt_without_dir_removes_its_temporary_directory(tmp_path):
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    out = _run(str(EXAMPLES / "train_gpt.py"), "--fast", cwd=tmp_path, TMPDIR=str(temp))
+    assert "loads with torch.load: global_step=8" in out
+    assert re.search(r"removing \S+datastates-example-\S+ \(\d+\.\d\d GB\): give --dir DIR to keep", out), out
+    assert not [path.name for path in temp.iterdir() if path.name.startswith("datastates-example-")]
+
+
+@pytest.mark.slow
 def test_resume_after_crash(tmp_path):
     # No --dir: the example works in a temporary directory of its own, under this TMPDIR, and must remove it.
     temp = tmp_path / "tmp"
