@@ -5,8 +5,11 @@
         --trainer.callbacks.init_args.every_n_train_steps=4 --trainer.callbacks.init_args.dirpath=/tmp/ckpt
 
 Any setting can be overridden on the command line (``--print_config`` shows them all). Sizes take integers of
-bytes or strings such as ``8GiB``. A relative ``dirpath`` (``checkpoints`` in configs/local.yaml) is relative to the
-directory the command runs in; after ``fit`` this script prints where the checkpoints went.
+bytes or strings such as ``8GiB``. A bad ``DataStatesIO`` setting (a misspelt name, a value of the wrong type) ends
+the command with the plugin's own message as its last line (``DataStatesCLI``; plain ``LightningCLI`` works too, with
+jsonargparse's longer report). ``--ckpt_path last`` resumes from the newest checkpoint (the configs set
+``save_last``). A relative ``dirpath`` (``checkpoints`` in configs/local.yaml) is relative to the directory the
+command runs in; after ``fit`` this script prints where the checkpoints went.
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ import os
 
 from gpt_data import TokenData
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import ArgsType, LightningCLI
 
 from lightning_datastates.demo import GPT
+from lightning_datastates.lightning_cli import DataStatesCLI
 
 
 class SmallGPT(GPT):
@@ -27,8 +31,8 @@ class SmallGPT(GPT):
         super().__init__(vocab, dim, layers, heads, seq_len)
 
 
-def main() -> None:
-    cli = LightningCLI(SmallGPT, TokenData)
+def main(args: ArgsType = None) -> LightningCLI:
+    cli = DataStatesCLI(SmallGPT, TokenData, args=args)
     checkpoints = cli.trainer.checkpoint_callback
     if cli.subcommand == "fit" and isinstance(checkpoints, ModelCheckpoint) and cli.trainer.is_global_zero:
         # ModelCheckpoint made a local dirpath absolute (against the working directory) at setup; every file is
@@ -39,6 +43,7 @@ def main() -> None:
             print(f"checkpoints in {directory}: {names}")
         else:
             print(f"checkpoints in {directory}; the last one: {checkpoints.last_model_path or 'none'}")
+    return cli
 
 
 if __name__ == "__main__":

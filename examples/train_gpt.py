@@ -5,6 +5,10 @@
 Every ``--every`` steps ModelCheckpoint saves; DataStatesIO snapshots the state while the next step computes and
 writes the file in the background. What each checkpoint cost goes to the CSV logger under ``datastates/`` and a
 one-line summary is printed when training ends.
+
+Without ``--dir`` the checkpoints and the metrics go to a new temporary directory, removed at the end (the full run
+writes 50 checkpoints, about 2.5 GB, in about two and a half minutes on a 2-core CPU); with ``--dir DIR`` they stay
+in ``DIR``.
 """
 
 from __future__ import annotations
@@ -25,10 +29,21 @@ from lightning_datastates import DataStatesIO
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--fast", action="store_true", help="tiny model, 8 steps (for CI)")
-    parser.add_argument("--dir", default=None, help="output directory (default: a new temporary one)")
+    parser.add_argument(
+        "--dir", default=None, help="output directory, kept (default: a new temporary one, removed at the end)"
+    )
     parser.add_argument("--every", type=int, default=4, help="checkpoint every N steps (default 4)")
     args = parser.parse_args()
-    root = args.dir or tempfile.mkdtemp(prefix="datastates-example-")
+    if args.dir:
+        train(args, args.dir)
+        return
+    with tempfile.TemporaryDirectory(prefix="datastates-example-") as root:
+        train(args, root)
+        size = sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(root) for n in names)
+        print(f"removing {root} ({size / 1e9:.2f} GB): give --dir DIR to keep the checkpoints and the metrics")
+
+
+def train(args: argparse.Namespace, root: str) -> None:
     L.seed_everything(0, verbose=False)
     model, data = small_gpt(args.fast)
 

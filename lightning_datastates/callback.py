@@ -34,6 +34,7 @@ from lightning_datastates.compat.lightning import (
     checkpoint_path_str,
     override_file_exists,
     restore_file_exists,
+    restored_signal_handlers,
     unwrap_checkpoint_io,
     wait_for_queued_saves,
 )
@@ -42,6 +43,7 @@ from lightning_datastates.compat.trainer_hooks import is_logging_step
 from lightning_datastates.copy.pinning import cuda_device_of
 from lightning_datastates.errors import CheckpointFlushError
 from lightning_datastates.file_systems import adopt_file_systems
+from lightning_datastates.interrupts import ignore_sigint_in_shutdown
 from lightning_datastates.metrics import CheckpointMetrics
 from lightning_datastates.pipeline import CheckpointPipeline
 from lightning_datastates.progress import drain_on_interrupt, drain_with_progress
@@ -109,7 +111,13 @@ class DataStatesCallback(Callback):
             trainer.strategy.barrier("lightning_datastates: checkpoint directories cleaned")
 
     def _clean_checkpoint_directories(self, trainer: Trainer) -> None:
-        """Rank 0: remove what dead runs left in each ``ModelCheckpoint``'s directory, once per directory and run."""
+        """Rank 0: check that checkpoints can be written in each ``ModelCheckpoint``'s directory (a local path that is a
+        file, an S3 bucket that does not exist, missing credentials: found now, before training, not at the first
+        save), and remove what dead runs left there, once per directory and run.
+
+        Raises:
+            CheckpointFlushError: the directory cannot take checkpoints (the storage error chained, naming the fix).
+        """
         if self._pipeline is None:
             return
         for checkpoint_callback in trainer.checkpoint_callbacks:
@@ -117,7 +125,12 @@ class DataStatesCallback(Callback):
                 continue
             # is_global_zero asked only where there is a directory to clean (a strategy half set up may not say)
             if trainer.is_global_zero:
-                self._pipeline.clean_once(str(checkpoint_callback.dirpath))
+                directory = str(checkpoint_callback.dirpath)
+                check_checkpoint_directory(self._pipeline, directory)
+                try:
+                    self._pipeline.clean_once(directory)
+                except OSError as exc:  # S3WriteError among them
+                    raise _directory_error(directory, exc) from exc
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Undo :meth:`setup`, and tear the plugin down: drain, and end its threads. Lightning's strategy tears down
@@ -272,6 +285,10 @@ class DataStatesCallback(Callback):
         pipeline = self._pipeline
         if pipeline is None:
             return
+        if isinstance(exception, KeyboardInterrupt):
+            # Lightning exits after its teardown, which puts Python's SIGINT handler back first: a Ctrl-C then must
+            # not kill the process by the signal (and cut the end of the drain's report, or a script's cleanup).
+            ignore_sigint_in_shutdown(restored_signal_handlers(trainer))
         # Says what it waits for, with the drain bar; a further Ctrl-C abandons the writes in flight.
         drain_on_interrupt(trainer, pipeline.engine, exception)
         pipeline.drain()  # returns at once now: nothing outstanding, or abandoned
@@ -340,6 +357,27 @@ def optimizer_state_tensors(trainer: Trainer) -> Iterator[torch.Tensor]:
             for value in state.values():
                 if isinstance(value, torch.Tensor):
                     yield value
+
+
+def check_checkpoint_directory(pipeline: CheckpointPipeline, directory: str) -> None:
+    """Before training (the callback's setup, the resolution of ``ckpt_path="last"``): raise unless checkpoints can be
+    written in ``directory`` (a local path that is a file; on S3 a bucket that does not exist, missing credentials),
+    through the storage writer's :meth:`~lightning_datastates.storage.base.StorageWriter.check_directory`.
+
+    Raises:
+        CheckpointFlushError: naming the directory and the fix, the storage error chained.
+    """
+    try:
+        pipeline.writer_for(directory).check_directory(directory)
+    except OSError as exc:  # S3WriteError among them
+        raise _directory_error(directory, exc) from exc
+
+
+def _directory_error(directory: str, exc: OSError) -> CheckpointFlushError:
+    detail = exc.strerror if exc.errno is not None and exc.strerror else str(exc)  # without "[Errno 20]"
+    return CheckpointFlushError(
+        f"checkpoint directory {directory} (ModelCheckpoint's dirpath), checked at setup: {detail}", directory
+    )
 
 
 def attach_callback(trainer: Trainer) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from decimal import Decimal
 from typing import Any, Literal, get_args
@@ -170,6 +172,25 @@ class DataStatesConfig:
 
 #: The fields that are ``DataStatesIO`` parameters, in its order: every field but ``write_through``.
 USER_SETTINGS: tuple[str, ...] = tuple(f.name for f in fields(DataStatesConfig) if f.metadata.get("user_setting", True))
+
+
+def check_settings(settings: Mapping[str, Any]) -> DataStatesConfig:
+    """Validate ``DataStatesIO`` keyword arguments as a user gives them (in Python, yaml or on a command line): names
+    and values; return the validated settings.
+
+    Raises:
+        ConfigError: for a name ``DataStatesIO`` does not take, naming it and the closest setting; else as
+            :class:`DataStatesConfig` does for the first invalid value (naming the setting and the fix).
+    """
+    for name in settings:
+        if name not in USER_SETTINGS:
+            close = difflib.get_close_matches(name, USER_SETTINGS, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(
+                f"DataStatesIO has no setting {name!r}: {hint}Its settings are {', '.join(USER_SETTINGS)} "
+                '(docs/operations.md, "Configuration")'
+            )
+    return DataStatesConfig(**settings)
 
 
 def _local_tier(value: Any) -> str | None:

@@ -1,6 +1,7 @@
 """Demo: how long training waits for checkpoints with Lightning's ``TorchCheckpointIO`` and with ``DataStatesIO``.
 
-Run ``python -m lightning_datastates.demo`` (``--help`` for the options). It trains the same small GPT-style model
+Run ``python -m lightning_datastates.demo`` (``--help`` for the options; two to three minutes on a 2-core CPU, with a
+progress line every few seconds; ``--fast``: a tiny model, seconds). It trains the same small GPT-style model
 on the same synthetic tokens three times in one process, with a real ``lightning.Trainer`` and
 ``ModelCheckpoint(every_n_train_steps=...)``: without checkpointing, with ``TorchCheckpointIO`` and with
 ``DataStatesIO``. It prints what each checkpoint blocked training, how long DataStatesIO took to make each file
@@ -63,13 +64,52 @@ class Run:
     checkpoints: list[tuple[str, float, float | None]] = field(default_factory=list)
 
 
+#: Seconds between two progress lines of a run (and one at its start and end).
+PROGRESS_EVERY_S = 5.0
+
+
+class Progress(L.Callback):
+    """Prints where a run stands: a line when it starts, one every :data:`PROGRESS_EVERY_S` seconds (the step, the
+    checkpoints saved so far, the time), and one when it ends, so that the demo is never silent for long (the
+    Trainer's own bar is off: it would print over the report)."""
+
+    def __init__(self, label: str) -> None:
+        super().__init__()
+        self.label = label
+        self._started = self._printed = 0.0
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Say which run starts."""
+        self._started = self._printed = time.perf_counter()
+        print(f"{self.label}: training {trainer.max_steps} steps ...", flush=True)
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Every few seconds: the step reached and the time so far."""
+        now = time.perf_counter()
+        if now - self._printed >= PROGRESS_EVERY_S:
+            self._printed = now
+            print(
+                f"{self.label}: step {trainer.global_step}/{trainer.max_steps}, {now - self._started:.0f} s",
+                flush=True,
+            )
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Say that the run's training ended (its checkpoints drain next)."""
+        print(f"{self.label}: {trainer.global_step} steps in {time.perf_counter() - self._started:.0f} s", flush=True)
+
+
 def make_model(shape: dict[str, int]) -> GPT:
     """A GPT of the preset ``shape`` (a dict from :data:`PRESETS`)."""
     return GPT(shape["vocab"], shape["dim"], shape["layers"], shape["heads"], shape["seq_len"])
 
 
-def fit(shape: dict[str, int], steps: int, plugin: Any | None, dirpath: str | None, every: int) -> Run:
-    """Train a fresh, identically seeded model for ``steps`` steps; checkpoint into ``dirpath`` if given."""
+def fit(
+    shape: dict[str, int], steps: int, plugin: Any | None, dirpath: str | None, every: int, label: str | None = None
+) -> Run:
+    """Train a fresh, identically seeded model for ``steps`` steps; checkpoint into ``dirpath`` if given; with a
+    ``label``, print the run's progress under it (:class:`Progress`)."""
     L.seed_everything(SEED, verbose=False)
     model = make_model(shape)
     generator = torch.Generator().manual_seed(SEED)
@@ -82,7 +122,10 @@ def fit(shape: dict[str, int], steps: int, plugin: Any | None, dirpath: str | No
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=dirpath is not None,
-        callbacks=[ModelCheckpoint(dirpath=dirpath, every_n_train_steps=every, save_top_k=-1)] if dirpath else None,
+        callbacks=[
+            *([ModelCheckpoint(dirpath=dirpath, every_n_train_steps=every, save_top_k=-1)] if dirpath else []),
+            *([Progress(label)] if label else []),
+        ],
         plugins=[plugin] if plugin is not None else None,
     )
     started = time.perf_counter()
@@ -211,9 +254,18 @@ def main(argv: list[str] | None = None) -> dict[str, Run]:
     try:
         fit(shape, 2, None, None, every)  # warm-up: first-call costs land on no measured run
         runs = {
-            "baseline": fit(shape, steps, None, None, every),
-            "torch": fit(shape, steps, TimedTorchCheckpointIO(), os.path.join(root, "torch"), every),
-            "datastates": fit(shape, steps, DataStatesIO(), os.path.join(root, "datastates"), every),
+            "baseline": fit(shape, steps, None, None, every, "run 1 of 3 (no checkpointing)"),
+            "torch": fit(
+                shape,
+                steps,
+                TimedTorchCheckpointIO(),
+                os.path.join(root, "torch"),
+                every,
+                "run 2 of 3 (TorchCheckpointIO)",
+            ),
+            "datastates": fit(
+                shape, steps, DataStatesIO(), os.path.join(root, "datastates"), every, "run 3 of 3 (DataStatesIO)"
+            ),
         }
         report(runs["baseline"], runs["torch"], runs["datastates"])
         verify(runs["torch"], runs["datastates"])

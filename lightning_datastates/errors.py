@@ -34,11 +34,13 @@ class CheckpointCorruptError(DataStatesError):
 
 
 class CheckpointFlushError(DataStatesError):
-    """Writing a checkpoint in the background failed.
+    """Writing a checkpoint failed, or checkpoints cannot be written where they are to go.
 
-    Raised once, on the training thread, at the next hook after the failure. The checkpoint was not published
-    under its final name and earlier checkpoints are untouched. ``path`` names the checkpoint; the cause is
-    chained as ``__cause__``.
+    A background write that failed is raised once, on the training thread, at the next hook after the failure: the
+    checkpoint was not published under its final name and earlier checkpoints are untouched. A checkpoint directory
+    that cannot take checkpoints (a local path that is a file; on S3 a missing bucket, missing credentials, an
+    endpoint that does not answer) is raised at setup, before training starts. ``path`` names the checkpoint (or the
+    directory); the storage error is chained as ``__cause__`` (on S3 an ``S3WriteError``, an ``OSError``).
     """
 
     def __init__(self, message: str, path: str) -> None:

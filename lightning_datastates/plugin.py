@@ -16,7 +16,7 @@ from typing import Any
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_datastates.callback import attach_callback
+from lightning_datastates.callback import attach_callback, check_checkpoint_directory
 from lightning_datastates.compat.last_checkpoint import LastOptions, resolve_last_checkpoint
 from lightning_datastates.compat.lightning import CheckpointPath
 from lightning_datastates.compat.trainer_hooks import after_callbacks_configured
@@ -115,8 +115,8 @@ class DataStatesIO(CheckpointIO):
             node. Single-file checkpoints on one node (sharded strategies and several nodes are refused at setup).
             See the README, "Tiered checkpoints".
         local_keep: how many of the newest checkpoints of each directory the local tier keeps once replicated
-            (default 2), the copy of each last checkpoint (``last.ckpt``) kept beside them; 0: each local copy goes
-            once replicated, ``last.ckpt``'s too. Copies not yet replicated are always kept.
+            (default 2), the copy of each last checkpoint (last.ckpt) kept beside them; 0: each local copy goes
+            once replicated, last.ckpt's too. Copies not yet replicated are always kept.
     """
 
     def __init__(
@@ -269,11 +269,20 @@ def pipeline_of(plugin: DataStatesIO) -> CheckpointPipeline:
 
 def _prepare_for_last(trainer: Any) -> LastOptions | None:
     """For ``fit(ckpt_path="last")`` of a ``trainer`` that saves and loads through a :class:`DataStatesIO` (wrapped or
-    not): its ``ModelCheckpoint``s look at the plugin's store (``file_systems.adopt_file_systems``), and the
-    plugin's ``stale_after_s`` and local tier; None (nothing done) for a Trainer without one."""
+    not): its ``ModelCheckpoint``s look at the plugin's store (``file_systems.adopt_file_systems``), their
+    directories are checked (:func:`~lightning_datastates.callback.check_checkpoint_directory`), and the plugin's
+    ``stale_after_s`` and local tier; None (nothing done) for a Trainer without one.
+
+    Raises:
+        CheckpointFlushError: a checkpoint directory cannot take checkpoints (see ``check_checkpoint_directory``).
+    """
     pipeline = trainer_pipeline(trainer)
     if pipeline is None:
         return None
     adopt_file_systems(trainer, pipeline.config.storage_options)
+    for callback in trainer.checkpoint_callbacks:  # a missing bucket or credentials: said now, not by a listing
+        dirpath = getattr(callback, "dirpath", None)
+        if dirpath:
+            check_checkpoint_directory(pipeline, str(dirpath))
     tiers = pipeline.tiers
     return LastOptions(pipeline.config.stale_after_s, pipeline.stamp_of, None if tiers is None else tiers.local_copies)

@@ -17,6 +17,7 @@ import logging
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
@@ -26,8 +27,9 @@ from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgre
 
 from lightning_datastates.compat.lightning import Tqdm
 from lightning_datastates.interrupts import sigint_sets
-from lightning_datastates.records.job import JobState, SnapshotStats
-from lightning_datastates.snapshot.engine import Abandoned, SnapshotEngine
+from lightning_datastates.records.job import JobState, SnapshotJob, SnapshotStats
+from lightning_datastates.snapshot.engine import ABANDON_WAIT_S, Abandoned, SnapshotEngine
+from lightning_datastates.snapshot.pending import PendingCommit, PendingReplication
 
 log = logging.getLogger("lightning_datastates")
 
@@ -75,20 +77,23 @@ def drain_on_interrupt(trainer: Trainer, engine: SnapshotEngine, exception: Base
     them; return whether they were abandoned.
 
     Call order: the callback's ``on_exception``, on the main thread, before it reports the pending failures. With
-    writes pending it first logs one line (a warning, so that a terminal shows it without any logging set up): how many
-    checkpoints, how many MiB are left, and, where a Ctrl+C can reach this wait, that pressing it again abandons them.
-    Then it shows the bar of :func:`drain_with_progress`. A Ctrl+C during the wait (Lightning ignores SIGINT during its
-    shutdown: :func:`~lightning_datastates.interrupts.sigint_sets` takes it over for the wait) abandons the writes
-    (:meth:`~lightning_datastates.snapshot.engine.SnapshotEngine.abandon`): checkpoints committed before stay whole,
-    nothing half-written is published, no older checkpoint is removed; this returns True and the caller goes on with
-    its shutdown (Lightning's teardown, then its exit), which then waits for nothing more.
+    writes pending it first logs one line (a warning, so that a terminal shows it without any logging set up): which
+    checkpoints it waits for, by name, how many MiB are still to be handed to storage and how many commits are still to
+    finish (an S3 upload whose bytes were all handed over is still sending its last parts until its commit), and,
+    where a Ctrl+C can reach this wait, that pressing it again abandons them. Then it shows the bar of
+    :func:`drain_with_progress`. A Ctrl+C during the wait (Lightning ignores SIGINT during its shutdown:
+    :func:`~lightning_datastates.interrupts.sigint_sets` takes it over for the wait; one pressed while a save held it
+    back counts too) abandons the writes (:meth:`~lightning_datastates.snapshot.engine.SnapshotEngine.abandon`):
+    checkpoints committed before stay whole, nothing half-written is published, no older checkpoint is removed; a line
+    names what was given up and what landed whole meanwhile (a file whose commit had begun). This returns True and the
+    caller goes on with its shutdown (Lightning's teardown, then its exit), which then waits for nothing more.
     """
     if not engine.pending.outstanding():
         return False
     pending = _unfinished(engine.history)
     abandon = threading.Event()
     with sigint_sets(abandon, interrupted=isinstance(exception, KeyboardInterrupt)) as catchable:
-        log.warning("lightning_datastates: %s", _waiting_line(pending, len(engine.pending.outstanding()), catchable))
+        log.warning("lightning_datastates: %s", _waiting_line(engine, catchable))
         with _optional_bar(trainer, sum(_bytes_to_move(stats) for stats in pending)) as bar:
             # Polled, not a blocking wait: the SIGINT handler only sets the event (a handler must not take locks
             # the interrupted wait may hold), and a sleep returns to it within REFRESH_S.
@@ -101,7 +106,16 @@ def drain_on_interrupt(trainer: Trainer, engine: SnapshotEngine, exception: Base
         engine.drain()  # nothing is left: the engine's own bookkeeping
         return False
     log.warning("lightning_datastates: Ctrl-C: abandoning the checkpoints still being written")
-    log.warning("lightning_datastates: %s", _abandoned_line(engine.abandon()))
+    entries = engine.pending.outstanding()
+    landed = _landed_while_waiting(pending, entries)  # taken before the abandon: what lands after is among entries
+    started = time.monotonic()
+    abandoned = engine.abandon()
+    # The engine waits for its own files; a copy to the persistent tier is asked to stop: give it what is left of the
+    # same time to abort its upload, so the line can tell whether it did.
+    for entry in entries:
+        if isinstance(entry, PendingReplication):
+            entry.finished.wait(max(0.0, ABANDON_WAIT_S - (time.monotonic() - started)))
+    log.warning("lightning_datastates: %s", _abandoned_line(entries, abandoned, landed))
     return True
 
 
@@ -117,31 +131,121 @@ def _bytes_to_move(stats: SnapshotStats) -> int:
     return stats.total_bytes * (1 if stats.replication is None else 2)
 
 
-def _waiting_line(pending: list[SnapshotStats], entries: int, catchable: bool) -> str:
-    """What the wait after an exception waits for (``entries``: pending saves, sharded commits included)."""
-    count = len(pending) or entries
-    left = sum(_bytes_to_move(stats) - _moved_bytes(stats) for stats in pending)
+def _waiting_line(engine: SnapshotEngine, catchable: bool) -> str:
+    """What the wait after an exception waits for: every checkpoint by name, the bytes still to hand to storage, the
+    commits still to finish (sharded directories' among them)."""
+    names: list[str] = []
+    left_bytes = commits = 0
+    for stats in _unfinished(engine.history):
+        names.append(stats.persistent_path or stats.path)
+        if stats.durable_s is None:  # the file itself (with a local tier: its local copy)
+            left_bytes += stats.total_bytes - min(stats.written_bytes, stats.total_bytes)
+            commits += 1
+        if stats.replication == "pending":  # its copy to the persistent tier
+            left_bytes += stats.total_bytes - min(stats.replicated_bytes, stats.total_bytes)
+            commits += 1
+    for entry in engine.pending.outstanding():
+        if isinstance(entry, PendingCommit) and not isinstance(entry, PendingReplication):  # a sharded directory
+            # Its shard files are among the checkpoints above: the directory is what the user named.
+            names = [name for name in names if not name.startswith(entry.path.rstrip("/") + "/")] + [entry.path]
+            commits += 1
+    count = len(names)
     line = (
         f"waiting for {count} checkpoint{'s' if count != 1 else ''} still being written "
-        f"({left / 1024**2:.1f} MiB left) before shutting down"
+        f"({left_bytes / 1024**2:.1f} MiB still to hand to storage, {commits} commit{'s' if commits != 1 else ''} "
+        f"to finish) before shutting down: {_names(names)}"
     )
     return line + ("; press Ctrl-C again to abandon them (earlier checkpoints stay whole)" if catchable else "")
 
 
-def _abandoned_line(abandoned: Abandoned) -> str:
-    """What an abandon gave up, and what is left for ``clean``."""
-    count = len(abandoned.paths)
-    line = (
-        f"abandoned {count} checkpoint{'s' if count != 1 else ''} in flight ({', '.join(abandoned.paths)}); the "
-        "checkpoints committed before are whole"
-    )
+def _landed_while_waiting(waited_for: list[SnapshotStats], entries: list[SnapshotJob | PendingCommit]) -> list[str]:
+    """The names of the checkpoints the wait began with (``waited_for``) that are committed (on both tiers) and no
+    longer among the pending ``entries``."""
+    in_entries = {id(entry.stats) for entry in entries if isinstance(entry, SnapshotJob)}
+    return [
+        stats.persistent_path or stats.path
+        for stats in waited_for
+        if id(stats) not in in_entries
+        and stats.final
+        and stats.state == JobState.COMMITTED.value
+        and stats.replication in (None, JobState.COMMITTED.value)
+    ]
+
+
+def _abandoned_line(entries: list[SnapshotJob | PendingCommit], abandoned: Abandoned, landed: list[str]) -> str:
+    """What an abandon gave up (by name), what landed whole meanwhile (``landed``: during the wait; and among
+    ``entries``, what was pending when the abandon began, those whose commit had begun), and what is left for
+    ``clean``."""
+    landed = list(landed)
+    given_up: list[str] = []
+    kept_locally: list[str] = []
+    for name, parts in _checkpoints(entries):
+        if all(_landed(part) for part in parts):
+            landed.append(name)
+            continue
+        given_up.append(name)
+        if isinstance(parts[-1], PendingReplication) and all(_landed(part) for part in parts[:-1]):
+            kept_locally.append(name)  # its local copy is committed; only the copy to the persistent tier stopped
+    count = len(given_up)
+    line = f"Ctrl-C: gave up {count} checkpoint{'s' if count != 1 else ''} in flight"
+    line += f" ({_names(given_up)}): none of them was published" if given_up else ""
+    if landed:
+        line += f"; {len(landed)} landed whole while it waited ({_names(landed)})"
+    line += "; the checkpoints committed before are whole"
+    if kept_locally:
+        line += (
+            f". The local copies of {_names(kept_locally)} are whole on the local tier: the next run on this node "
+            "copies them to their persistent path"
+        )
     if abandoned.unfinished:
         line += (
             f". {len(abandoned.unfinished)} of them {'is' if len(abandoned.unfinished) == 1 else 'are'} still in a "
-            f"storage call ({', '.join(abandoned.unfinished)}): if the process ends first, what they leave is removed "
+            f"storage call ({_names(abandoned.unfinished)}): if the process ends first, what they leave is removed "
             "by `python -m lightning_datastates clean DIR` or the next run's setup"
         )
     return line
+
+
+def _checkpoints(entries: list[SnapshotJob | PendingCommit]) -> list[tuple[str, list[SnapshotJob | PendingCommit]]]:
+    """``entries`` by checkpoint, in order: a save with a local tier is two entries, its local write (a job) and its
+    copy to the persistent path (registered just before the job), which go together as ``[job, copy]``."""
+    checkpoints: list[tuple[str, list[SnapshotJob | PendingCommit]]] = []
+    for entry in entries:
+        name = _name_of(entry)
+        if isinstance(entry, SnapshotJob) and entry.stats.persistent_path is not None:
+            for _, parts in reversed(checkpoints):
+                if len(parts) == 1 and isinstance(parts[0], PendingReplication) and parts[0].path == name:
+                    parts.insert(0, entry)
+                    break
+            else:
+                checkpoints.append((name, [entry]))
+            continue
+        checkpoints.append((name, [entry]))
+    return checkpoints
+
+
+def _landed(entry: SnapshotJob | PendingCommit) -> bool:
+    return entry.state is JobState.COMMITTED and entry.finished.is_set()
+
+
+def _name_of(entry: SnapshotJob | PendingCommit) -> str:
+    """The checkpoint's name as ``ModelCheckpoint`` gave it (a local copy's is its persistent path)."""
+    if isinstance(entry, SnapshotJob):
+        return entry.stats.persistent_path or entry.path
+    return entry.path
+
+
+def _names(names: list[str]) -> str:
+    """``names`` for a line: in order, each once (``(2 saves)`` where one path was saved more than once), the first
+    :data:`_NAMED` of them and how many more."""
+    counts = Counter(names)
+    unique = [f"{name} ({counts[name]} saves)" if counts[name] > 1 else name for name in dict.fromkeys(names)]
+    shown = ", ".join(unique[:_NAMED])
+    return shown + (f" and {len(unique) - _NAMED} more" if len(unique) > _NAMED else "")
+
+
+#: Most checkpoint names one line lists.
+_NAMED = 8
 
 
 class _NoBar:

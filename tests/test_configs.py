@@ -71,8 +71,9 @@ def test_local_config(tmp_path):
         64 * MiB,
         64 * 1024,
     )
-    _assert_committed(plugin, ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"])
-    assert sorted(os.listdir(directory)) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
+    _assert_committed(plugin, ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"])  # last.ckpt: a link (save_last: link)
+    assert sorted(os.listdir(directory)) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "last.ckpt"]
+    assert os.readlink(directory / "last.ckpt") == "epoch=0-step=4.ckpt"
     assert torch.load(directory / "epoch=0-step=4.ckpt", weights_only=True)["global_step"] == 4
 
 
@@ -103,7 +104,7 @@ def test_lustre_config_on_a_local_directory(tmp_path):
     plugin = _plugin(cli)
     assert (plugin.config.writer_threads, plugin.config.chunk_size) == (16, 64 * MiB)
     _assert_committed(plugin, ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"])
-    assert sorted(os.listdir(directory)) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
+    assert sorted(os.listdir(directory)) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "last.ckpt"]
 
 
 def test_s3_config_against_a_local_s3_server(tmp_path, s3_endpoint):
@@ -117,8 +118,11 @@ def test_s3_config_against_a_local_s3_server(tmp_path, s3_endpoint):
         "timeout_s": 10,
         "min_bytes_per_s": "2MiB",
     }
-    _assert_committed(plugin, ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"])
-    assert env.keys() == ["my-run/checkpoints/epoch=0-step=2.ckpt", "my-run/checkpoints/epoch=0-step=4.ckpt"]
+    # save_last: true writes last.ckpt as a checkpoint of its own after each one (S3 has no links).
+    _assert_committed(plugin, ["epoch=0-step=2.ckpt", "last.ckpt", "epoch=0-step=4.ckpt", "last.ckpt"])
+    assert env.keys() == [
+        f"my-run/checkpoints/{name}" for name in ("epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "last.ckpt")
+    ]
     loaded = plugin.load_checkpoint("s3://my-bucket/my-run/checkpoints/epoch=0-step=4.ckpt", weights_only=True)
     assert loaded["global_step"] == 4
     assert env.open_uploads() == []
@@ -130,9 +134,79 @@ def test_tiered_config_against_a_local_s3_server(tmp_path, s3_endpoint):
     cli = _run_cli(tmp_path, "tiered.yaml", f"--trainer.plugins.init_args.local_tier={tier}")
     plugin = _plugin(cli)
     assert (plugin.config.local_tier, plugin.config.local_keep) == (str(tier), 2)
-    assert [s.replication for s in plugin.stats] == ["committed", "committed"]
-    assert env.keys() == ["my-run/checkpoints/epoch=0-step=2.ckpt", "my-run/checkpoints/epoch=0-step=4.ckpt"]
+    assert [s.replication for s in plugin.stats] == ["committed"] * 4  # two checkpoints, each with its last.ckpt
+    names = ("epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "last.ckpt")
+    assert env.keys() == [f"my-run/checkpoints/{name}" for name in names]
     (local,) = tier.iterdir()
-    for name in ("epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"):
+    # local_keep: 2 keeps the two newest checkpoints locally, and last.ckpt beside them, each a replica of its S3 object.
+    assert sorted(n for n in os.listdir(local) if n.endswith(".ckpt")) == [
+        "epoch=0-step=2.ckpt",
+        "epoch=0-step=4.ckpt",
+        "last.ckpt",
+    ]
+    for name in names[1:]:
         assert (local / name).read_bytes() == env.read(f"my-run/checkpoints/{name}")
     assert env.open_uploads() == []
+
+
+# ---------------------------------------------------------------------------------------------------- resume
+def _run_example(root: Path, config: str, max_steps: int, *overrides: str) -> LightningCLI:
+    """examples/cli.py's main with a shipped config, as a user runs it (run length, directories and the size of the
+    arena overridden; ``root``: the run's own directory, where LightningCLI saves its config.yaml)."""
+    from cli import main
+
+    return main(
+        [
+            "fit",
+            "--config",
+            str(CONFIGS / config),
+            f"--trainer.max_steps={max_steps}",
+            "--trainer.accelerator=cpu",
+            "--trainer.logger=false",
+            "--trainer.enable_progress_bar=false",
+            "--trainer.enable_model_summary=false",
+            f"--trainer.default_root_dir={root}",
+            "--trainer.callbacks.init_args.every_n_train_steps=2",
+            "--trainer.plugins.init_args.host_cache=64MiB",
+            *overrides,
+        ]
+    )
+
+
+@pytest.mark.parametrize("config", ["local.yaml", "lustre.yaml", "s3.yaml", "tiered.yaml"])
+def test_every_shipped_config_resumes_from_last(tmp_path, s3_endpoint, config):
+    """Run as shipped, then again with ``--ckpt_path last``: the second run starts where the first ended (its first
+    checkpoint is step 6, not a ``-v1`` of step 2) and its model and step counter are those of the first run's end."""
+    env = fresh_bucket(s3_endpoint, "my-bucket")  # the bucket configs/s3.yaml and configs/tiered.yaml name
+    overrides: list[str] = []
+    if config in ("local.yaml", "lustre.yaml"):
+        overrides.append(f"--trainer.callbacks.init_args.dirpath={tmp_path / 'checkpoints'}")
+    if config == "tiered.yaml":
+        overrides.append(f"--trainer.plugins.init_args.local_tier={tmp_path / 'nvme'}")
+    first = _run_example(tmp_path / "run1", config, 4, *overrides)
+    assert first.trainer.global_step == 4
+    weights = {k: v.clone() for k, v in first.model.state_dict().items()}
+    _plugin(first).teardown()
+
+    second = _run_example(tmp_path / "run2", config, 8, *overrides, "--ckpt_path", "last")
+    assert second.trainer.ckpt_path is not None and second.trainer.ckpt_path.endswith("last.ckpt")
+    assert second.trainer.global_step == 8
+    saved = [os.path.basename(s.path) for s in _plugin(second).stats]
+    assert saved[0] == "epoch=0-step=6.ckpt", saved  # resumed at step 4: trained 4 more steps, no save of step 2
+    if config in ("s3.yaml", "tiered.yaml"):
+        names = sorted(os.path.basename(key) for key in env.keys())
+        assert env.open_uploads() == []
+    else:
+        names = sorted(os.listdir(tmp_path / "checkpoints"))
+    assert names == [f"epoch=0-step={step}.ckpt" for step in (2, 4, 6, 8)] + ["last.ckpt"], names
+    # The resumed run started from the first run's weights: its checkpoint of step 4 holds them.
+    loaded = _plugin(second).load_checkpoint(_path_of(config, tmp_path, "epoch=0-step=4.ckpt"), weights_only=True)
+    for name, tensor in weights.items():
+        assert torch.equal(loaded["state_dict"][name], tensor), name
+    _plugin(second).teardown()
+
+
+def _path_of(config: str, tmp_path: Path, name: str) -> str:
+    if config in ("s3.yaml", "tiered.yaml"):
+        return f"s3://my-bucket/my-run/checkpoints/{name}"
+    return str(tmp_path / "checkpoints" / name)

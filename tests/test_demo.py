@@ -24,6 +24,9 @@ def test_demo_fast_runs_and_verifies(tmp_path: str) -> None:
     for expected in ("summary", "no checkpointing", "TorchCheckpointIO", "DataStatesIO", "verify: OK"):
         assert expected in out, f"{expected!r} missing from the demo's output:\n{out}"
     assert out.count(".ckpt") == 3  # 12 steps, a checkpoint every 4
+    # Never silent for long: each run says when it starts and ends (and, in a longer run, every few seconds).
+    for label in ("run 1 of 3 (no checkpointing)", "run 2 of 3 (TorchCheckpointIO)", "run 3 of 3 (DataStatesIO)"):
+        assert f"{label}: training 12 steps ..." in out and f"{label}: 12 steps in " in out, out
     assert os.listdir(tmp_path) == []  # the run directory is removed without --keep
 
 

@@ -39,6 +39,16 @@ def test_train_gpt(tmp_path):
 
 
 @pytest.mark.slow
+def test_train_gpt_without_dir_removes_its_temporary_directory(tmp_path):
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    out = _run(str(EXAMPLES / "train_gpt.py"), "--fast", cwd=tmp_path, TMPDIR=str(temp))
+    assert "loads with torch.load: global_step=8" in out
+    assert re.search(r"removing \S+datastates-example-\S+ \(\d+\.\d\d GB\): give --dir DIR to keep", out), out
+    assert not [path.name for path in temp.iterdir() if path.name.startswith("datastates-example-")]
+
+
+@pytest.mark.slow
 def test_resume_after_crash(tmp_path):
     # No --dir: the example works in a temporary directory of its own, under this TMPDIR, and must remove it.
     temp = tmp_path / "tmp"
@@ -74,23 +84,37 @@ def test_s3_checkpoints(tmp_path, s3):
     assert f"loaded {s3.url('run/epoch=0-step=8.ckpt')}: global_step=8" in out
 
 
-def _readme_cli_command() -> list[str]:
-    """The LightningCLI command of README.md, as a user copies it (``python examples/cli.py fit ...``)."""
+def _readme_cli_commands() -> list[list[str]]:
+    """The LightningCLI commands of README.md, as a user copies them (``python examples/cli.py fit ...``): a run, then
+    the same run resumed with ``--ckpt_path last``."""
     readme = (ROOT / "README.md").read_text().splitlines()
     lines = [line for line in readme if line.startswith("python examples/cli.py")]
-    assert len(lines) == 1, lines
-    return shlex.split(lines[0])
+    assert len(lines) == 2, lines
+    return [shlex.split(line) for line in lines]
 
 
 @pytest.mark.slow
-def test_the_readme_lightning_cli_command_checkpoints(tmp_path):
+def test_the_readme_lightning_cli_commands_checkpoint_and_resume(tmp_path):
     # Run as in the README, but from another directory: the config's relative dirpath lands under the working
     # directory, and the command says where.
-    python, script, *args = _readme_cli_command()
+    first, second = _readme_cli_commands()
+    python, script, *args = first
     assert python == "python" and script == "examples/cli.py"
     args = [str(ROOT / arg) if (ROOT / arg).is_file() else arg for arg in args]
     out = _run(str(ROOT / script), *args, cwd=tmp_path)
     directory = os.path.realpath(tmp_path / "checkpoints")
-    assert sorted(os.listdir(directory)) == ["epoch=1-step=100.ckpt", "epoch=3-step=200.ckpt"]
+    assert sorted(os.listdir(directory)) == ["epoch=1-step=100.ckpt", "epoch=3-step=200.ckpt", "last.ckpt"]
     assert "lightning_datastates: 2 checkpoint(s)" in out, out
-    assert f"checkpoints in {directory}: epoch=1-step=100.ckpt, epoch=3-step=200.ckpt" in out, out
+    assert f"checkpoints in {directory}: epoch=1-step=100.ckpt, epoch=3-step=200.ckpt, last.ckpt" in out, out
+    # The second command resumes from last.ckpt (step 200): two more checkpoints, no -v1 copies of the first two.
+    python, script, *args = second
+    assert (python, script) == ("python", "examples/cli.py") and args[-2:] == ["--ckpt_path", "last"], second
+    args = [str(ROOT / arg) if (ROOT / arg).is_file() else arg for arg in args]
+    out = _run(str(ROOT / script), *args, cwd=tmp_path)
+    assert f"Restored all states from the checkpoint at {directory}/last.ckpt" in out, out
+    assert "lightning_datastates: 2 checkpoint(s)" in out, out
+    steps = sorted(
+        int(m[1]) for name in os.listdir(directory) if (m := re.fullmatch(r"epoch=\d+-step=(\d+)\.ckpt", name))
+    )
+    assert steps == [100, 200, 300, 400] and len(os.listdir(directory)) == 5, os.listdir(directory)
+    assert re.fullmatch(r"epoch=\d+-step=400\.ckpt", os.readlink(os.path.join(directory, "last.ckpt")))

@@ -24,10 +24,12 @@ import torch
 
 from lightning_datastates import DataStatesIO
 from lightning_datastates.capture.admission import skipped_stats
+from lightning_datastates.interrupts import sigint_deferred, sigint_sets
 from lightning_datastates.load.integrity import verify_file
 from lightning_datastates.plugin import pipeline_of
 from lightning_datastates.progress import drain_on_interrupt, drain_with_progress
 from lightning_datastates.records.layout import CheckpointLayout
+from lightning_datastates.storage.local import LocalWriter, LocalWriteSession
 from tests.conftest import GatedWriter, assert_bit_equal, in_background, temp_files
 from tests.script_support import REPO_ROOT, launch, script_env
 
@@ -38,14 +40,18 @@ _START_TIMEOUT_S = 60
 _LINE_TIMEOUT_S = 30
 _EXIT_TIMEOUT_S = 30
 
-_WAITING = re.compile(r"waiting for (\d+) checkpoints? still being written \(([\d.]+) MiB left\)")
+_WAITING = re.compile(
+    r"waiting for (\d+) checkpoints? still being written \(([\d.]+) MiB still to hand to storage, (\d+) commits? "
+    r"to finish\) before shutting down: ([^;\n]+);"
+)
+_GAVE_UP = re.compile(r"Ctrl-C: gave up (\d+) checkpoints? in flight \(([^)]*)\): none of them was published")
 
 
 class _Run:
     """The script's process, its output read by a thread into ``lines``."""
 
-    def __init__(self, out: str) -> None:
-        self.process = launch("interrupt_script.py", out)
+    def __init__(self, out: str, script: str = "interrupt_script.py") -> None:
+        self.process = launch(script, out)
         self.output: list[str] = []
         self._lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -96,8 +102,12 @@ def test_second_ctrl_c_abandons_the_writes_in_flight_and_leaves_earlier_checkpoi
         )
         run.process.send_signal(signal.SIGINT)
         run.wait_for(lambda: _WAITING.search(run.text()), _LINE_TIMEOUT_S, "no line said what the drain waits for")
-        count, mib_left = _WAITING.search(run.text()).groups()
-        assert int(count) >= 1 and float(mib_left) > 0, run.text()[-4000:]
+        count, mib_left, commits, names = _WAITING.search(run.text()).groups()
+        assert int(count) >= 1 and float(mib_left) > 0 and int(commits) >= int(count), run.text()[-4000:]
+        # Every checkpoint it waits for is named: those whose save returned and that are not committed yet.
+        waited_for = names.split(", ")
+        assert all(os.path.dirname(name) == str(checkpoint_dir) for name in waited_for), names
+        assert len(waited_for) == int(count), names
         assert "press Ctrl-C again to abandon them (earlier checkpoints stay whole)" in run.text()
         newest_before = _committed(checkpoint_dir)[-1]  # committed before the abandon: must survive it
         run.process.send_signal(signal.SIGINT)
@@ -110,7 +120,10 @@ def test_second_ctrl_c_abandons_the_writes_in_flight_and_leaves_earlier_checkpoi
     output = run.text()
     assert status == 1, f"exit status {status} (Lightning exits 1 after a KeyboardInterrupt):\n{output[-4000:]}"
     assert "Writing checkpoints" in output, "the drain bar did not show"
-    assert re.search(r"abandoned \d+ checkpoints? in flight", output), output[-4000:]
+    gave_up = _GAVE_UP.search(output)
+    assert gave_up, output[-4000:]
+    given_up = [os.path.basename(name) for name in gave_up.group(2).split(", ")]
+    assert int(gave_up.group(1)) == len(given_up) >= 1, gave_up.group(0)
 
     # What is left: whole checkpoints (the one committed before the abandon among them), temporary files only of
     # a writer that is gone (clean removes them; the aborts should have left none).
@@ -118,6 +131,7 @@ def test_second_ctrl_c_abandons_the_writes_in_flight_and_leaves_earlier_checkpoi
     files = _committed(checkpoint_dir)
     assert newest_before in files, f"{newest_before} was removed because newer writes were abandoned: {files}"
     assert len(references - set(files)) >= 1, "no returned save was abandoned: the drain ran to its end"
+    assert set(given_up) <= references - set(files), f"named as given up but published: {given_up}, {files}"
     clean = subprocess.run(
         [sys.executable, "-m", "lightning_datastates", "clean", str(checkpoint_dir)],
         env=script_env(),
@@ -182,3 +196,109 @@ def test_drain_bar_does_not_wait_for_a_skipped_save(tmp_path):
     threading.Thread(target=drain, daemon=True).start()
     assert finished.wait(timeout=60), "the drain waits for a skipped save forever"  # bounds a hang
     plugin.teardown()
+
+
+def test_a_ctrl_c_while_the_process_ends_does_not_kill_it(tmp_path):
+    """Lightning's teardown puts Python's SIGINT handler back before it exits the process: a Ctrl-C after the drain,
+    while the script's own cleanup runs (tests/interrupt_exit_script.py), killed the process by the signal (exit
+    status -2, a KeyboardInterrupt traceback, the cleanup cut short). Now it is told and ignored."""
+    run = _Run(str(tmp_path), "interrupt_exit_script.py")
+    try:
+        run.wait_for(lambda: _committed(tmp_path / "ckpt"), _START_TIMEOUT_S, "no checkpoint was committed")
+        run.process.send_signal(signal.SIGINT)
+        run.wait_for(lambda: "cleaning up" in run.text(), _LINE_TIMEOUT_S, "the run did not reach its cleanup")
+        run.process.send_signal(signal.SIGINT)
+        run.wait_for(lambda: "the run is already ending" in run.text(), _LINE_TIMEOUT_S, "the Ctrl-C was not told")
+        (tmp_path / "go").touch()
+        status = run.process.wait(timeout=_EXIT_TIMEOUT_S)
+    finally:
+        run.kill()
+    output = run.text()
+    assert status == 1, f"exit status {status} (Lightning exits 1 after a KeyboardInterrupt):\n{output[-4000:]}"
+    assert "cleaned up" in output and "Traceback" not in output, output[-4000:]
+
+
+class _SlowCommitWriter(LocalWriter):
+    """LocalWriter whose commits wait for ``gate``: every byte of a file handed over, its commit in flight."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.committing = threading.Event()
+
+    def begin(self, path: str, total_bytes: int) -> LocalWriteSession:
+        session = super().begin(path, total_bytes)
+        writer = self
+
+        class _Session(LocalWriteSession):
+            fast_writes = False
+
+            def complete(self) -> None:
+                writer.committing.set()
+                writer.gate.wait(timeout=60)
+                super().complete()
+
+        return _Session(session.path, session.temp_path, session._fd)  # type: ignore[arg-type]
+
+
+def test_a_commit_in_flight_is_waited_for_by_name_and_said_to_land_whole(tmp_path, monkeypatch, caplog):
+    """A file whose bytes were all handed to storage, its commit still to finish (the S3 upload of its last parts):
+    the wait names it and counts the commit (it said "0.0 MiB left"); a Ctrl-C then cannot stop a commit that began,
+    and the abandon line says that it landed whole (it said "abandoned 0 checkpoints in flight ()")."""
+    writer = _SlowCommitWriter()
+    monkeypatch.setattr("lightning_datastates.pipeline.writer_for", lambda path, storage_options=None, **_: writer)
+    plugin = in_background(DataStatesIO(host_cache="1MiB"))
+    path = str(tmp_path / "step=1.ckpt")
+    plugin.save_checkpoint({"w": torch.ones(1000)}, path)
+    assert writer.committing.wait(timeout=60), "the commit did not begin"
+    engine = pipeline_of(plugin).engine
+    (job,) = engine.pending.in_flight()
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
+
+    def ctrl_c_then_let_the_commit_end() -> None:
+        deadline = time.monotonic() + _LINE_TIMEOUT_S
+        while signal.getsignal(signal.SIGINT) is signal.SIG_IGN and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the wait listens for Ctrl-C
+        os.kill(os.getpid(), signal.SIGINT)
+        while not job.cancel_requested and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the abandon began
+        writer.gate.set()
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as Lightning, from its graceful shutdown on
+    helper = threading.Thread(target=ctrl_c_then_let_the_commit_end, daemon=True)
+    try:
+        helper.start()
+        with caplog.at_level("WARNING", logger="lightning_datastates"):
+            assert drain_on_interrupt(trainer, engine, KeyboardInterrupt())
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        writer.gate.set()
+        helper.join(timeout=60)
+    text = "\n".join(record.getMessage() for record in caplog.records)
+    assert (
+        "waiting for 1 checkpoint still being written (0.0 MiB still to hand to storage, 1 commit to finish) before "
+        f"shutting down: {path}; press Ctrl-C again" in text
+    ), text
+    assert f"Ctrl-C: gave up 0 checkpoints in flight; 1 landed whole while it waited ({path})" in text, text
+    plugin.teardown()
+    assert_bit_equal(torch.load(path, weights_only=True), {"w": torch.ones(1000)}, "step=1.ckpt")
+
+
+def test_a_ctrl_c_held_back_by_a_save_abandons_the_drain_at_once():
+    """Two Ctrl-C while a save holds SIGINT back (a capture waiting for room in the arena): the first stops the run
+    once the save is done, the second counts as pressed during the drain that follows (it was lost, and the drain ran
+    to its end)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt), sigint_deferred():
+            for _ in range(2):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.01)  # the handler runs before the sleep goes on (PEP 475)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # as Lightning, from its graceful shutdown on
+        abandon = threading.Event()
+        with sigint_sets(abandon, interrupted=True):
+            assert abandon.is_set()
+        later = threading.Event()
+        with sigint_sets(later, interrupted=True):
+            assert not later.is_set()  # taken once
+    finally:
+        signal.signal(signal.SIGINT, previous)

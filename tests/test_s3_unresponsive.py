@@ -18,7 +18,7 @@ import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_datastates import DataStatesIO
-from lightning_datastates.errors import ConfigError
+from lightning_datastates.errors import CheckpointFlushError, ConfigError
 from lightning_datastates.storage.s3 import S3WriteError, S3Writer
 from lightning_datastates.storage.s3.client import worst_case_s
 from tests.conftest import BNModel, make_loader, make_trainer
@@ -90,11 +90,15 @@ def test_fit_against_a_silent_endpoint_fails_fast_naming_it_and_logging_each_ret
     checkpoint = ModelCheckpoint(dirpath="s3://bucket/run", every_n_train_steps=1)
     trainer = make_trainer(str(tmp_path), plugin, callbacks=[checkpoint], max_epochs=1)
     started = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="lightning_datastates"), pytest.raises(S3WriteError) as raised:
+    with (
+        caplog.at_level(logging.WARNING, logger="lightning_datastates"),
+        pytest.raises(CheckpointFlushError) as raised,  # the documented type, the storage error chained
+    ):
         trainer.fit(BNModel(), make_loader())
     elapsed_s = time.monotonic() - started
     assert elapsed_s < GUARD_S, f"fit took {elapsed_s:.1f} s to fail against a silent endpoint"
     assert trainer.global_step == 0  # failed at setup, before the first training step
+    assert isinstance(raised.value.__cause__, S3WriteError)
 
     message = str(raised.value)
     assert silent_endpoint in message and "s3://bucket/run" in message

@@ -170,7 +170,8 @@ def newest_last_checkpoint(trainer: Trainer, options: LastOptions) -> Any:
     if not candidates:
         return NO_CANDIDATE
     dated = _dated(candidates, local, every_checkpoint, options)
-    newest = max(dated, key=dated.__getitem__, default=None)
+    # On a tie (a last.ckpt link and the file it names, one save), the last checkpoint: what Lightning itself takes.
+    newest = max(dated, key=lambda path: (dated[path], path in lasts), default=None)
     if newest is not None and lasts:
         # save_last="link": a link stands for the file it names (a local copy of it where the link leads nowhere).
         targets = {p: os.path.realpath(p) if os.path.islink(p) else p for p in lasts}

@@ -120,6 +120,13 @@ def restore_file_exists(checkpoint_callback: ModelCheckpoint) -> None:
     checkpoint_callback.__dict__.pop("_ModelCheckpoint__warn_if_dir_not_empty", None)
 
 
+def restored_signal_handlers(trainer: Trainer) -> dict[Any, Any]:
+    """The signal handlers that ``trainer``'s teardown puts back (``_SignalConnector._original_handlers``: those of
+    the start of fit, SIGINT's among them), to be changed in place; an empty dict where this Lightning keeps none."""
+    handlers = getattr(getattr(trainer, "_signal_connector", None), "_original_handlers", None)
+    return handlers if isinstance(handlers, dict) else {}
+
+
 def logging_step(trainer: Trainer) -> int:
     """The step the Trainer's loggers are at now, as ``LightningModule.log`` and ``LearningRateMonitor`` use it.
 

@@ -28,6 +28,7 @@ from several threads at once (the training thread begins, loads and cleans while
 
 from __future__ import annotations
 
+import errno
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
@@ -163,6 +164,31 @@ class StorageWriter(ABC):
         that cannot list is never cleaned that way.
         """
         return []
+
+    def check_directory(self, directory: str) -> None:
+        """At setup, before the first save (the callback's, for each ``ModelCheckpoint`` directory): raise if no
+        checkpoint can be written in ``directory``, so that a wrong directory fails the run before it trains, not at
+        its first save. The default checks a local path: no existing part of it is a file (the missing directories
+        are made at the first save); other paths are not checked. A backend with its own check overrides it (S3: the
+        bucket exists and credentials are found).
+
+        Raises:
+            NotADirectoryError: a part of the local path is a file (the message names it and the fix).
+        """
+        if "://" in directory and not directory.startswith("file://"):
+            return
+        probe = os.path.abspath(directory.removeprefix("file://"))
+        while not os.path.exists(probe):  # the nearest part that exists: the save makes the rest
+            parent = os.path.dirname(probe)
+            if parent == probe:
+                return
+            probe = parent
+        if not os.path.isdir(probe):
+            raise NotADirectoryError(
+                errno.ENOTDIR,
+                f"cannot write checkpoints in {directory}: {probe} is a file, not a directory; choose another "
+                "checkpoint directory (ModelCheckpoint(dirpath=...)) or move the file",
+            )
 
     @abstractmethod
     def clean_stale(self, directory: str, max_age_s: float = DEFAULT_STALE_AGE_S) -> list[str]:

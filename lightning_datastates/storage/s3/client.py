@@ -95,6 +95,20 @@ _PERMANENT_ERRORS = {
 }
 
 
+#: Where botocore looks for credentials, for the error that says none (or only some) were found.
+CREDENTIALS_HINT = (
+    "give an access key ID and a secret access key: the AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY environment "
+    "variables, storage_options key and secret, or a profile (storage_options profile, or AWS_PROFILE) in "
+    "~/.aws/credentials (AWS_SHARED_CREDENTIALS_FILE) or ~/.aws/config (AWS_CONFIG_FILE)"
+)
+#: Fixes for botocore errors raised before any request is sent (matched by name, as :data:`_PERMANENT_ERRORS`).
+_LOCAL_ERROR_HINTS = {
+    "NoCredentialsError": "no AWS credentials were found; " + CREDENTIALS_HINT,
+    "PartialCredentialsError": "only part of the AWS credentials was found; " + CREDENTIALS_HINT,
+    "NoRegionError": "no AWS region is set: AWS_DEFAULT_REGION, or storage_options client_kwargs region_name",
+}
+
+
 class S3WriteError(OSError):
     """An S3 request for a checkpoint failed; the message names the ``s3://`` path, the cause is chained."""
 
@@ -198,6 +212,8 @@ class S3Client:
         if client_error(exc) is not None:  # the service answered: its refusal (with the fix) or a server error
             where = f" ({tries} at {self.endpoint})" if attempts > 1 else ""
             return kind(f"{what} failed: {describe(exc)}{where}")
+        if type(exc).__name__ in _PERMANENT_ERRORS:  # nothing was sent (no credentials, ...): the network is not it
+            return kind(f"{what} failed: {describe(exc)}")
         if not timed_out(exc):  # refused or reset connections: waiting longer per attempt would not help
             settings = "retries"
         elif nbytes and isinstance(exc, (TimeoutError, asyncio.TimeoutError)):  # our limit of a transfer
@@ -420,4 +436,7 @@ def describe(exc: BaseException) -> str:
         hint = ERROR_HINTS.get(str(info.get("Code")))
         where = f" (HTTP {status})" if status else ""  # none for a key a DeleteObjects request refused
         return f"{info.get('Code')}{where}: {info.get('Message') or exc}" + (f"; {hint}" if hint else "")
+    hint = _LOCAL_ERROR_HINTS.get(type(exc).__name__)
+    if hint is not None:
+        return f"{type(exc).__name__}: {exc}: {hint}"
     return f"{type(exc).__name__}: {exc}"  # timeouts are told by S3Client, which knows its limits

@@ -158,6 +158,19 @@ class S3Writer(StorageWriter):
             marker = write_marker(client, path, bucket, key, upload_id)
         return S3WriteSession(client, self.max_concurrent_parts, path, bucket, key, plan, upload_id, marker)
 
+    def check_directory(self, directory: str) -> None:
+        """At setup: the bucket of ``directory`` exists and the credentials are found (one ``HeadBucket`` request, with
+        the writer's retries and timeouts; the bucket is then known, the first save does not ask again).
+
+        Raises:
+            S3NotFoundError: no such bucket (the message says to create it or fix the URL).
+            S3WriteError: the request failed: no credentials (the message says where they come from), access denied,
+                an endpoint that does not answer.
+        """
+        client = self.client
+        bucket, _ = client.split(directory)
+        self._check_bucket(client, bucket, directory)
+
     def _check_bucket(self, client: S3Client, bucket: str, path: str) -> None:
         """Fail at the save call, not in the background, when the bucket does not exist (checked once per bucket).
 
