@@ -138,7 +138,7 @@ def test_tiered_config_against_a_local_s3_server(tmp_path, s3_endpoint):
     names = ("epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "last.ckpt")
     assert env.keys() == [f"my-run/checkpoints/{name}" for name in names]
     (local,) = tier.iterdir()
-    # local_keep: 2 keeps the two newest checkpoints locally, and last.ckpt beside them, each a replica of its S3 object.
+    # local_keep: 2 keeps the two newest checkpoints locally, last.ckpt beside them, each a replica of its S3 object.
     assert sorted(n for n in os.listdir(local) if n.endswith(".ckpt")) == [
         "epoch=0-step=2.ckpt",
         "epoch=0-step=4.ckpt",
